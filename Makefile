@@ -1,0 +1,29 @@
+# Two commands: `make demo` and `make test`. Each sets up .venv on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install typecheck clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# A data-parallel training job on scikit-learn's digits, 2 ranks, through horarun.
+demo: $(STAMP)
+	$(VENV)/bin/horarun -np 2 $(PY) examples/numpy/train_digits.py
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+# The whole suite: static types, then every test (multi-process tests start their own ranks).
+test: $(STAMP) typecheck
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache

@@ -1,0 +1,385 @@
+"""The framework-neutral public API: start-up, topology, handles, process sets, objects.
+
+Every framework binding re-exports these. The running job lives in one place, the
+``_context`` holder below: ``init()`` puts a ``Runtime`` there and ``shutdown()``
+takes it away, so ``init()`` after ``shutdown()`` starts afresh.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from hora import ops
+from hora.collectives.reduce import DataType
+from hora.config import Config
+from hora.engine.messages import RequestType
+from hora.errors import CollectiveMismatchError
+from hora.process_sets import ProcessSet, global_process_set
+from hora.runtime import Runtime
+
+NOT_INITIALIZED = "hora has not been initialized; use hvd.init()."
+
+
+class _Context:
+    """Holds the running job of this process (the only process-wide state hora keeps)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.runtime: Runtime | None = None
+        self.generation = 0
+        self.dynamic = False
+        self.sets: list[ProcessSet] = []
+        self.set_calls = 0
+        self.atexit_registered = False
+
+
+_context = _Context()
+
+
+def current() -> Runtime:
+    """Returns the running job's runtime.
+
+    Raises:
+        ValueError: ``init()`` has not been called (or ``shutdown()`` has).
+    """
+    runtime = _context.runtime
+    if runtime is None:
+        raise ValueError(NOT_INITIALIZED)
+    return runtime
+
+
+def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Starts hora: connects to the other ranks and starts the engine thread.
+
+    Idempotent while running; after ``shutdown()`` it starts a new runtime.
+
+    Args:
+        comm: None for all ranks, or a list that names every rank (sub-communicators
+            and mpi4py communicators are not supported by the built-in transport).
+        process_sets: ``ProcessSet`` objects to register (ids 1, 2, ... in order), or
+            ``"dynamic"`` to allow ``add_process_set``/``remove_process_set`` later.
+
+    Raises:
+        ValueError: bad arguments or configuration, naming the problem.
+        HoraInternalError: the other ranks could not be reached, naming them.
+    """
+    with _context.lock:
+        if _context.runtime is not None:
+            if _context.runtime.pid == os.getpid():
+                return
+            _forget_runtime()  # a forked child: its copy of the parent's runtime is unusable
+        config = Config.from_env()
+        if comm is not None and sorted(int(r) for r in comm) != list(range(config.topology.size)):
+            raise ValueError(
+                f"hora.init(comm={list(comm)}): only the whole job can be initialized; "
+                "use process_sets= for collectives among a subset of ranks"
+            )
+        dynamic = config.dynamic_process_sets
+        sets: list[ProcessSet] = []
+        if isinstance(process_sets, str):
+            if process_sets != "dynamic":
+                raise ValueError(f"process_sets={process_sets!r}: expected a list of ProcessSet or 'dynamic'")
+            dynamic = True
+        elif process_sets is not None:
+            sets = list(process_sets)
+            for process_set in sets:
+                if not isinstance(process_set, ProcessSet):
+                    raise ValueError(f"process_sets must hold ProcessSet objects; got {process_set!r}")
+        _configure_logging(config)
+        runtime = Runtime(config, _context.generation)
+        _context.generation += 1
+        _context.runtime = runtime
+        _context.dynamic = dynamic
+        _context.set_calls = 0
+        global_process_set._bind(runtime, 0)
+        try:
+            for process_set in sets:
+                if process_set is global_process_set:
+                    continue
+                _register(runtime, process_set)
+        except BaseException:
+            shutdown()
+            raise
+        if not _context.atexit_registered:
+            atexit.register(shutdown)
+            _context.atexit_registered = True
+
+
+def _forget_runtime() -> None:
+    for process_set in _context.sets:
+        process_set._unbind()
+    _context.sets.clear()
+    global_process_set._unbind()
+    _context.runtime = None
+
+
+def shutdown() -> None:
+    """Stops hora on this rank, which ends the job for every rank (as in Horovod)."""
+    with _context.lock:
+        runtime = _context.runtime
+        if runtime is None:
+            return
+        _forget_runtime()
+    runtime.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    runtime = _context.runtime
+    return runtime is not None and runtime.pid == os.getpid()
+
+
+def size() -> int:
+    """The number of ranks in the job."""
+    return current().topology.size
+
+
+def local_size() -> int:
+    """The number of ranks on this host."""
+    return current().topology.local_size
+
+
+def cross_size() -> int:
+    """The number of hosts that have a rank with this rank's local rank."""
+    return current().topology.cross_size
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size()-1."""
+    return current().topology.rank
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return current().topology.local_rank
+
+
+def cross_rank() -> int:
+    """The index of this host among the hosts that have a rank with this local rank."""
+    return current().topology.cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    hosts = current().hosts
+    counts = {host: hosts.count(host) for host in hosts}
+    return len(set(counts.values())) == 1
+
+
+def mpi_threads_supported() -> bool:
+    """False: hora does not run on MPI's threads."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: collectives run on hora's own transport."""
+    return False
+
+
+def mpi_built(verbose: bool = False) -> bool:
+    """False: hora has no MPI build."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: hora's transport is its own, not Gloo."""
+    return False
+
+
+def gloo_built(verbose: bool = False) -> bool:
+    """False: hora's transport is its own, not Gloo."""
+    return False
+
+
+def nccl_built(verbose: bool = False) -> int:
+    """0: hora has no NCCL data plane (the NCCL version code otherwise)."""
+    return 0
+
+
+def ddl_built(verbose: bool = False) -> bool:
+    return False
+
+
+def ccl_built(verbose: bool = False) -> bool:
+    return False
+
+
+def cuda_built(verbose: bool = False) -> bool:
+    return False
+
+
+def rocm_built(verbose: bool = False) -> bool:
+    return False
+
+
+def poll(handle: int) -> bool:
+    """True when the asynchronous collective behind ``handle`` has finished."""
+    return current().poll(handle)
+
+
+def synchronize(handle: int) -> Any:
+    """Waits for the asynchronous collective behind ``handle`` and returns its result.
+
+    Raises:
+        HoraInternalError: the job failed (a rank was lost) while it was in flight.
+        CollectiveMismatchError: the ranks disagreed about it (shape, type, op, ...).
+    """
+    return current().synchronize(handle)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every rank of the set has called ``barrier``."""
+    runtime = current()
+    ops.barrier(runtime, process_set).wait()
+
+
+def join(device: int = -1) -> int:
+    """Declares that this rank has no more data; blocks until every rank has joined.
+
+    Until then this rank takes part in other ranks' allreduces with zeros (so uneven
+    amounts of data per rank do not hang the job); other collectives are refused.
+
+    Args:
+        device: accepted for Horovod compatibility; hora runs joins on the CPU.
+
+    Returns:
+        The rank that joined last, the same on every rank.
+    """
+    return int(ops.join(current()).wait())
+
+
+def _register(runtime: Runtime, process_set: ProcessSet) -> None:
+    if process_set.process_set_id is not None and process_set._runtime is runtime:
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set!r}")
+    bad = [r for r in process_set.ranks if r >= runtime.size]
+    if bad or not process_set.ranks:
+        raise ValueError(f"{process_set!r}: ranks must be non-empty and below the job size {runtime.size}")
+    _context.set_calls += 1
+    name = f"process_set.add.{_context.set_calls}"
+    handle = runtime.submit(
+        RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=process_set.ranks
+    )
+    try:
+        set_id = int(handle.wait())
+    except CollectiveMismatchError as exc:
+        raise ValueError(str(exc)) from None
+    process_set._bind(runtime, set_id)
+    _context.sets.append(process_set)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Registers a new process set; every rank must call it, in the same order.
+
+    Needs dynamic mode: ``init(process_sets="dynamic")`` or HORA_DYNAMIC_PROCESS_SETS=1.
+
+    Returns:
+        The registered set, with its ``process_set_id``.
+
+    Raises:
+        ValueError: not in dynamic mode, a duplicate set, or ranks outside the job.
+    """
+    runtime = current()
+    if not _context.dynamic:
+        raise ValueError(
+            "Set HORA_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1), or call "
+            "hvd.init(process_sets='dynamic'), to add process sets after initialization."
+        )
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    with _context.lock:
+        _register(runtime, process_set)
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Removes a process set added before; every rank must call it.
+
+    Returns:
+        True if the set was removed, False if it was not registered.
+    """
+    runtime = current()
+    if not _context.dynamic:
+        raise ValueError("Process sets can only be removed in dynamic mode (see add_process_set).")
+    if process_set.process_set_id in (None, 0) or process_set._runtime is not runtime:
+        return False
+    with _context.lock:
+        _context.set_calls += 1
+        handle = runtime.submit(
+            RequestType.REMOVE_PROCESS_SET, f"process_set.remove.{_context.set_calls}", DataType.UINT8,
+            None, None, root_rank=int(process_set.process_set_id),
+        )  # fmt: skip
+        try:
+            removed = bool(handle.wait())
+        except CollectiveMismatchError:
+            return False
+        if process_set in _context.sets:
+            _context.sets.remove(process_set)
+        process_set._unbind()
+        return removed
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Sends a picklable object from ``root_rank`` to every rank of the set.
+
+    The object travels as a cloudpickle, only between authenticated ranks of this job.
+
+    Returns:
+        The root's object, on every rank.
+    """
+    runtime = current()
+    base = name or type(obj).__name__
+    is_root = process_set.rank() == root_rank
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if is_root else np.empty(0, np.uint8)
+    length = np.array([payload.size], dtype=np.int64)
+    ops.broadcast(
+        runtime, ops.from_numpy(length), length, root_rank, f"broadcast.{base}.sz", process_set
+    ).wait()
+    data = payload.copy() if is_root else np.empty(int(length[0]), dtype=np.uint8)
+    ops.broadcast(runtime, ops.from_numpy(data), data, root_rank, f"broadcast.{base}.t", process_set).wait()
+    return obj if is_root else cloudpickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gathers a picklable object from every rank of the set.
+
+    Returns:
+        The objects, in rank order, on every rank.
+    """
+    runtime = current()
+    base = name or type(obj).__name__
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8).copy()
+    lengths = ops.allgather(
+        runtime, ops.from_numpy(np.array([payload.size], dtype=np.int64)), f"allgather.{base}.sz", process_set
+    ).wait()
+    data = ops.allgather(runtime, ops.from_numpy(payload), f"allgather.{base}.t", process_set).wait()
+    out = []
+    offset = 0
+    for length in lengths.reshape(-1):
+        out.append(cloudpickle.loads(data[offset : offset + int(length)].tobytes()))
+        offset += int(length)
+    return out
+
+
+def _configure_logging(config: Config) -> None:
+    logger = logging.getLogger("hora")
+    level = {"TRACE": 5, "FATAL": logging.CRITICAL}.get(config.log_level, config.log_level)
+    logger.setLevel(level)
+    if not any(getattr(h, "_hora", False) for h in logger.handlers):
+        handler: logging.Handler = logging.StreamHandler()
+        handler._hora = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    for handler in logger.handlers:
+        if getattr(handler, "_hora", False):
+            fmt = "%(message)s" if config.log_hide_time else "[%(asctime)s] %(message)s"
+            handler.setFormatter(logging.Formatter(fmt))

@@ -1,0 +1,1 @@
+"""Collective algorithms on flat NumPy buffers, written against the ``Channel`` interface."""

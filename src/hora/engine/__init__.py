@@ -1,0 +1,1 @@
+"""The background engine: tensor queue, negotiation, fusion and execution of collectives."""

@@ -1,0 +1,344 @@
+"""The engine thread: announces submitted tensors, negotiates, and executes in order.
+
+One engine runs per process, on a named daemon thread. It sleeps in ``poll`` on a
+wake-up socket (written by every submit) and on the control links, so it uses no CPU
+while idle and reacts at once to a submit, a response, or a lost peer. There is no
+fixed cycle.
+
+Each pass of the loop:
+1. reads control frames: requests (rank 0), responses (other ranks), shutdown, abort;
+2. announces newly submitted tensors to the coordinator (rank 0 runs it in-process);
+3. on rank 0, hands each ready response to the ranks of its process set;
+4. executes this rank's responses in the agreed order.
+
+Failure: a lost peer, an abort, or a protocol error ends the job on this rank: every
+pending and later operation fails with ``HoraInternalError`` naming the lost rank.
+Rank 0 tells every worker (ABORT); a worker that sees a peer fail first reports it to
+rank 0 (FAILURE) and waits briefly for rank 0's ABORT so it reports the root cause.
+
+Shutdown: when any rank shuts down, the job is over (as in Horovod). The rank tells
+rank 0 (SHUTDOWN); rank 0 tells the others; each worker closes its control link
+only after rank 0 closed its end, so no frame is lost to a reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections import deque
+
+from hora.config import Config
+from hora.engine import messages
+from hora.engine.coordinator import Coordinator
+from hora.engine.executor import Executor
+from hora.engine.mesh_channel import MeshChannel
+from hora.engine.messages import Response
+from hora.engine.process_sets import ProcessSetTable
+from hora.engine.queue import Entry, TensorQueue, internal_error
+from hora.engine.stall import StalledError, StallInspector
+from hora.errors import ProtocolError
+from hora.transport.mesh import Mesh
+from hora.transport.tcp import Link, LinkClosed, Watch, encode_frame
+
+log = logging.getLogger("hora")
+
+SHUTDOWN_WAIT = 10.0  # seconds to wait for peers to acknowledge a shutdown
+ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of the failure
+
+
+class _JobFailed(Exception):
+    """Ends the engine loop; the message is the reason every pending op fails with."""
+
+
+class Engine:
+    """The background thread of one rank.
+
+    Args:
+        config: the validated configuration.
+        mesh: the connections to the other ranks; None for a job of one rank.
+    """
+
+    def __init__(self, config: Config, mesh: Mesh | None) -> None:
+        self.rank = config.topology.rank
+        self.size = config.topology.size
+        self._config = config
+        self._mesh = mesh
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.queue = TensorQueue(self._wake)
+        self.sets = ProcessSetTable(self.size)
+        self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 else None
+        self._stall = StallInspector(config) if self._coordinator is not None else None
+        self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
+        self._watch = Watch(list(self._links.values()), self._check_urgent)
+        self._channels: dict[tuple[int, ...], MeshChannel] = {}
+        self._executor = Executor(self.rank, self.sets, self.queue, self._channel_for)
+        self._responses: deque[Response] = deque()
+        self._poller = select.poll()
+        self._poller.register(self._wake_r.fileno(), select.POLLIN)
+        for link in self._links.values():
+            self._poller.register(link.fileno(), select.POLLIN)
+        self._stop_requested = False
+        self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
+        self._job_over: str | None = None  # why the job shut down, once it has
+        self.failure: str | None = None  # why the job failed, once it has
+        self._thread = threading.Thread(target=self._run, name=f"hora-engine-{self.rank}", daemon=True)
+
+    # ----- called from user threads -----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, entry: Entry) -> None:
+        """Queues a tensor for negotiation (see ``TensorQueue.add`` for errors)."""
+        self.queue.add(entry)
+
+    def stop(self, timeout: float = SHUTDOWN_WAIT + 5.0) -> None:
+        """Shuts this rank down (which ends the job) and waits for the thread to finish."""
+        self._stop_requested = True
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or the engine has closed
+
+    # ----- the engine thread -----
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except (_JobFailed, StalledError) as exc:
+            self._fail(str(exc))
+        except LinkClosed as exc:
+            self._fail(self._lost(exc.link, exc.detail))
+        except Exception as exc:  # noqa: BLE001 - a bug must fail every handle, never hang them
+            log.exception("hora: the engine on rank %d failed", self.rank)
+            self._fail(f"hora's engine on rank {self.rank} failed: {exc!r}")
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
+        while True:
+            self._wait()
+            self._read_control()
+            if self._job_over is not None or self._stop_requested:
+                self._finish()
+                return
+            new = self.queue.drain()
+            if new and self._config.cycle_time_ms > 0:
+                time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
+                new += self.queue.drain()
+            if new:
+                self._announce([entry.request for entry in new])
+            if self._coordinator is not None:
+                self._distribute(self._coordinator.take())
+            while self._responses and self._job_over is None:
+                self._executor.run(self._responses.popleft())
+            if self._stall is not None and self._coordinator is not None:
+                self._stall.check(self._coordinator)
+
+    def _wait(self) -> None:
+        busy = self._responses or any(link.frames or link.closed_by_peer for link in self._links.values())
+        timeout_ms: float | None = 0 if busy else None
+        if not busy and self._stall is not None and self._coordinator is not None:
+            seconds = self._stall.seconds_to_next_check(self._coordinator)
+            timeout_ms = None if seconds is None else max(0.0, seconds * 1000.0)
+        for fd, _ in self._poller.poll(timeout_ms):
+            if fd == self._wake_r.fileno():
+                self._drain_wake()
+                continue
+            for link in self._links.values():
+                if link.fileno() == fd:
+                    link.pump()
+                    if link.closed_by_peer:
+                        self._poller.unregister(fd)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _read_control(self) -> None:
+        for peer, link in list(self._links.items()):
+            while link.frames:
+                kind, payload = link.frames.popleft()
+                self._on_frame(link, kind, payload)
+            if link.closed_by_peer and peer in self._links:
+                self._on_closed(link)
+
+    def _on_frame(self, link: Link, kind: int, payload: bytes) -> None:
+        if kind == messages.ABORT or kind == messages.FAILURE:
+            raise _JobFailed(messages.decode_reason(payload))
+        if kind == messages.SHUTDOWN:
+            self._on_shutdown(link, messages.decode_reason(payload))
+        elif kind == messages.REQUESTS and self._coordinator is not None:
+            for request in messages.decode_requests(payload):
+                if request.rank != link.peer:
+                    raise ProtocolError(f"rank {link.peer} sent a request in the name of rank {request.rank}")
+                self._coordinator.submit(request)
+        elif kind == messages.RESPONSES and self._coordinator is None:
+            self._responses.extend(messages.decode_responses(payload))
+        else:
+            raise ProtocolError(f"rank {link.peer} sent an unexpected control frame (kind {kind})")
+
+    def _on_closed(self, link: Link) -> None:
+        if link.peer in self._farewells:
+            self._drop(link)
+            return
+        raise _JobFailed(self._lost(link, link.close_detail))
+
+    def _on_shutdown(self, link: Link, reason: str) -> None:
+        self._farewells.add(link.peer)
+        if self._coordinator is not None:
+            self._drop(link)  # closing our end is the worker's acknowledgement
+        if self._job_over is None:
+            self._job_over = reason
+
+    def _check_urgent(self, link: Link) -> None:
+        """Runs while a collective waits: an abort or an unexpected hang-up ends it."""
+        for kind, payload in link.frames:
+            if kind in (messages.ABORT, messages.FAILURE):
+                raise _JobFailed(messages.decode_reason(payload))
+            if kind == messages.SHUTDOWN:
+                self._farewells.add(link.peer)
+        if link.closed_by_peer and link.peer not in self._farewells:
+            raise _JobFailed(self._lost(link, link.close_detail))
+
+    def _announce(self, requests: list[messages.Request]) -> None:
+        if self._coordinator is not None:
+            for request in requests:
+                self._coordinator.submit(request)
+        else:
+            self._links[0].send_frame(messages.REQUESTS, messages.encode_requests(requests), self._watch)
+
+    def _distribute(self, ready: list[tuple[Response, tuple[int, ...]]]) -> None:
+        by_rank: dict[int, list[Response]] = {}
+        for response, members in ready:
+            for member in members:
+                if member == self.rank:
+                    self._responses.append(response)
+                elif member in self._links:
+                    by_rank.setdefault(member, []).append(response)
+        for member, responses in by_rank.items():
+            self._links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self._watch)
+
+    def _channel_for(self, ranks: tuple[int, ...]) -> MeshChannel:
+        channel = self._channels.get(ranks)
+        if channel is None:
+            data = self._mesh.data if self._mesh is not None else {}
+            channel = self._channels[ranks] = MeshChannel(ranks, self.rank, data, self._watch)
+        return channel
+
+    def _lost(self, link: Link, detail: str) -> str:
+        role = " (the coordinator)" if link.peer == 0 else ""
+        return f"rank {link.peer}{role} on host {link.peer_host} was lost: {detail}"
+
+    def _drop(self, link: Link) -> None:
+        """Forgets a control link whose peer is done, and closes it."""
+        self._links.pop(link.peer, None)
+        self._watch.links.pop(link.fileno(), None)
+        try:
+            self._poller.unregister(link.fileno())
+        except (KeyError, ValueError):
+            pass
+        link.close()
+
+    # ----- endings -----
+
+    def _finish(self) -> None:
+        """Ends the job in order: the job is over (another rank shut down) or we stop."""
+        reason = self._job_over or f"rank {self.rank} called shutdown()"
+        self._job_over = reason
+        self.queue.close(internal_error(f"hora has shut down ({reason})"))
+        farewell = messages.encode_reason(reason)
+        deadline = time.monotonic() + SHUTDOWN_WAIT
+        if self._coordinator is not None:
+            for link in list(self._links.values()):
+                self._send_quietly(link, messages.SHUTDOWN, farewell)
+            # Wait until every worker has said goodbye (or gone), closing each link as it does.
+            while self._links and time.monotonic() < deadline:
+                self._pump_links(deadline)
+                for link in list(self._links.values()):
+                    if any(kind == messages.SHUTDOWN for kind, _ in link.frames) or link.closed_by_peer:
+                        self._drop(link)
+        elif 0 in self._links:
+            link = self._links[0]
+            self._send_quietly(link, messages.SHUTDOWN, farewell)
+            try:
+                link.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            while not link.closed_by_peer and time.monotonic() < deadline:
+                self._pump_links(deadline)
+                link.frames.clear()
+
+    def _pump_links(self, deadline: float) -> None:
+        timeout_ms = max(0.0, (deadline - time.monotonic()) * 1000.0)
+        for fd, _ in self._poller.poll(timeout_ms):
+            for link in list(self._links.values()):
+                if link.fileno() == fd and not link.closed_by_peer:
+                    try:
+                        link.pump()
+                    except ProtocolError:
+                        link.closed_by_peer = True
+                    if link.closed_by_peer:
+                        self._poller.unregister(fd)
+            if fd == self._wake_r.fileno():
+                self._drain_wake()
+
+    def _fail(self, reason: str) -> None:
+        """Fails the job on this rank, telling the others, and settles on the root cause."""
+        if self._coordinator is not None:
+            for link in list(self._links.values()):
+                self._send_quietly(link, messages.ABORT, messages.encode_reason(reason))
+        elif 0 in self._links and not self._links[0].closed_by_peer:
+            control = self._links[0]
+            self._send_quietly(control, messages.FAILURE, messages.encode_reason(f"rank {self.rank}: {reason}"))
+            reason = self._await_abort(control, reason)
+        self.failure = reason
+        log.error("hora: rank %d: %s", self.rank, reason)
+        self.queue.close(internal_error(reason))
+
+    def _await_abort(self, control: Link, reason: str) -> str:
+        """Waits briefly for rank 0's ABORT, whose reason names the root cause."""
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT
+        while time.monotonic() < deadline:
+            for kind, payload in control.frames:
+                if kind == messages.ABORT:
+                    return messages.decode_reason(payload)
+            if control.closed_by_peer:
+                return reason
+            try:
+                self._pump_links(deadline)
+            except OSError:
+                return reason
+        return reason
+
+    def _send_quietly(self, link: Link, kind: int, payload: bytes) -> None:
+        """Sends a small frame if the socket takes it now; a dead peer is not an error here."""
+        try:
+            link.sock.send(encode_frame(kind, payload))
+        except OSError:
+            pass
+
+    def _close(self) -> None:
+        self.queue.close(internal_error(self.failure or f"hora has shut down ({self._job_over})"))
+        if self._mesh is not None:
+            self._mesh.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+

@@ -1,0 +1,194 @@
+"""Executes responses: moves each tensor's data through the collective and completes its handle.
+
+Runs on the engine thread, one response at a time, in the agreed order. A response
+names tensors by name; the executor takes the matching entries out of the queue. A
+rank that has joined has no entry for an allreduce and contributes zeros instead.
+
+Fused allreduces are packed into one persistent fusion buffer (grown on demand), run
+as a single ring allreduce, and unpacked; a single tensor runs in its own output
+buffer with no packing copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from hora.collectives import pointwise, ring
+from hora.collectives.channel import Channel
+from hora.collectives.reduce import DataType, reducer, scale
+from hora.engine.messages import Response, ResponseType
+from hora.engine.process_sets import ProcessSetTable
+from hora.engine.queue import Entry, TensorQueue
+from hora.errors import CollectiveMismatchError
+
+
+class Executor:
+    """Runs responses on this rank.
+
+    Args:
+        rank: this process's global rank.
+        sets: this rank's process-set table (updated as set responses execute).
+        queue: the tensor queue entries are taken from.
+        channel_for: builds the channel among a process set's global ranks.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        sets: ProcessSetTable,
+        queue: TensorQueue,
+        channel_for: Callable[[tuple[int, ...]], Channel],
+    ) -> None:
+        self.rank = rank
+        self.sets = sets
+        self.queue = queue
+        self._channel_for = channel_for
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def run(self, response: Response) -> None:
+        """Executes one response and completes the handles of its tensors.
+
+        Raises:
+            HoraInternalError: a peer was lost mid-collective (the job fails).
+        """
+        kind = response.type
+        if kind == ResponseType.ERROR:
+            for name in response.names:
+                entry = self.queue.pop(response.process_set_id, name)
+                if entry is not None:
+                    entry.handle.fail(CollectiveMismatchError(response.error))
+            return
+        if kind == ResponseType.JOIN:
+            self._complete(response, "join", response.root_rank)
+            return
+        if kind == ResponseType.ADD_PROCESS_SET:
+            self.sets.add(response.root_rank, tuple(response.sizes))
+            self._complete(response, response.names[0], response.root_rank)
+            return
+        if kind == ResponseType.REMOVE_PROCESS_SET:
+            removed = self.sets.remove(response.root_rank)
+            self._complete(response, response.names[0], removed)
+            return
+        if kind == ResponseType.BARRIER:
+            self._complete(response, response.names[0], None)
+            return
+        channel = self._channel_for(self.sets.ranks(response.process_set_id))
+        if kind == ResponseType.ALLREDUCE:
+            self._allreduce(response, channel)
+            return
+        entry = self.queue.pop(response.process_set_id, response.names[0])
+        if entry is None:
+            raise RuntimeError(f"hora internal error: no local tensor for {kind.name.lower()} '{response.names[0]}'")
+        if kind == ResponseType.ALLGATHER:
+            self._allgather(response, channel, entry)
+        elif kind == ResponseType.BROADCAST:
+            self._broadcast(response, channel, entry)
+        elif kind == ResponseType.ALLTOALL:
+            self._alltoall(response, channel, entry)
+        elif kind == ResponseType.REDUCESCATTER:
+            self._reducescatter(response, channel, entry)
+        else:
+            raise RuntimeError(f"hora internal error: cannot execute {kind.name}")
+
+    def _complete(self, response: Response, name: str, result: object) -> None:
+        entry = self.queue.pop(response.process_set_id, name)
+        if entry is not None:
+            entry.handle.complete(result)
+
+    def _buffer(self, attribute: str, count: int, dtype: np.dtype[np.generic]) -> np.ndarray:
+        """Returns ``count`` elements of a persistent byte buffer, grown as needed."""
+        raw: np.ndarray = getattr(self, attribute)
+        nbytes = count * dtype.itemsize
+        if raw.size < nbytes:
+            raw = np.empty(max(nbytes, raw.size * 2), dtype=np.uint8)
+            setattr(self, attribute, raw)
+        return raw[:nbytes].view(dtype)
+
+    def _allreduce(self, response: Response, channel: Channel) -> None:
+        dtype = DataType(response.dtype)
+        reduce = reducer(response.reduce_op, dtype)
+        entries = [self.queue.pop(response.process_set_id, name) for name in response.names]
+        # The ring receives at most one segment (a 1/size share, rounded up) at a time.
+        scratch = self._buffer("_scratch", -(-sum(response.sizes) // channel.size), dtype.storage)
+        only = entries[0] if len(entries) == 1 else None
+        if only is not None and only.output is not None and only.input is not None:
+            # One tensor: reduce in its own output buffer, no packing copy.
+            buffer = only.output
+            if buffer is not only.input:
+                np.copyto(buffer, only.input)
+        else:
+            buffer = self._buffer("_fusion", sum(response.sizes), dtype.storage)
+            offset = 0
+            for entry, count in zip(entries, response.sizes):
+                target = buffer[offset : offset + count]
+                if entry is None or entry.input is None:
+                    target.fill(0)  # this rank joined: it contributes zeros
+                else:
+                    np.copyto(target, entry.input)
+                offset += count
+        scale(buffer, response.prescale, dtype)
+        ring.allreduce(channel, buffer, reduce, scratch)
+        scale(buffer, response.postscale, dtype)
+        offset = 0
+        for entry, count in zip(entries, response.sizes):
+            if entry is not None and entry.output is not None:
+                if entry.output is not buffer:
+                    np.copyto(entry.output, buffer[offset : offset + count])
+                entry.handle.complete(entry.output.reshape(entry.shape))
+            offset += count
+
+    def _allgather(self, response: Response, channel: Channel, entry: Entry) -> None:
+        assert entry.input is not None  # invariant: allgather entries carry data
+        dims = response.sizes
+        row = _row_size(entry.shape)
+        bounds = ring.bounds_from_lengths([d * row for d in dims])
+        output = np.empty(sum(dims) * row, dtype=entry.input.dtype)
+        offset, length = bounds[channel.rank]
+        output[offset : offset + length] = entry.input
+        ring.allgather(channel, output, bounds)
+        entry.handle.complete(output.reshape((sum(dims), *entry.shape[1:])))
+
+    def _broadcast(self, response: Response, channel: Channel, entry: Entry) -> None:
+        assert entry.input is not None and entry.output is not None  # invariant: set at enqueue
+        if channel.rank == response.root_rank and entry.output is not entry.input:
+            np.copyto(entry.output, entry.input)
+        pointwise.broadcast(channel, entry.output, response.root_rank)
+        entry.handle.complete(entry.output.reshape(entry.shape))
+
+    def _alltoall(self, response: Response, channel: Channel, entry: Entry) -> None:
+        assert entry.input is not None  # invariant: alltoall entries carry data
+        n, me = channel.size, channel.rank
+        matrix = np.asarray(response.sizes, dtype=np.int64).reshape(n, n)
+        row = _row_size(entry.shape)
+        received = matrix[:, me]
+        output = np.empty(int(received.sum()) * row, dtype=entry.input.dtype)
+        pointwise.alltoall(channel, entry.input, [int(c) * row for c in matrix[me]], output, [int(c) * row for c in received])
+        result = output.reshape((int(received.sum()), *entry.shape[1:]))
+        entry.handle.complete((result, received.astype(np.int32)))
+
+    def _reducescatter(self, response: Response, channel: Channel, entry: Entry) -> None:
+        assert entry.input is not None  # invariant: reducescatter entries carry data
+        dtype = DataType(response.dtype)
+        n = channel.size
+        rows = entry.shape[0] if entry.shape else 1
+        row = _row_size(entry.shape)
+        counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+        bounds = ring.bounds_from_lengths([c * row for c in counts])
+        buffer = self._buffer("_fusion", entry.input.size, dtype.storage)
+        np.copyto(buffer, entry.input)
+        scale(buffer, response.prescale, dtype)
+        ring.reduce_scatter(channel, buffer, bounds, reducer(response.reduce_op, dtype))
+        offset, length = bounds[channel.rank]
+        output = buffer[offset : offset + length].copy()
+        scale(output, response.postscale, dtype)
+        entry.handle.complete(output.reshape((counts[channel.rank], *entry.shape[1:])))
+
+
+def _row_size(shape: tuple[int, ...]) -> int:
+    size = 1
+    for dim in shape[1:]:
+        size *= dim
+    return size

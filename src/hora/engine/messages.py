@@ -1,0 +1,227 @@
+"""Requests, responses and the control frames that carry them, in compact binary.
+
+A rank describes each tensor it submits with a ``Request``; the coordinator answers
+with ``Response`` objects, each naming one or more tensors (several when fused) and
+everything a rank needs to execute the collective. Both travel in frames of the kinds
+below, encoded with ``hora.transport.codec`` (never pickle).
+
+Request and response type codes are Horovod's (``message.h``), so timeline and logs
+read the same; hora's process-set management requests use codes of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TypeVar
+
+from hora.errors import ProtocolError
+from hora.transport.codec import Reader, Writer
+
+# Control frame kinds.
+REQUESTS = 1  # worker -> coordinator: RequestList
+RESPONSES = 2  # coordinator -> worker: ResponseList
+SHUTDOWN = 3  # either way: the sender is shutting down (payload: reason)
+ABORT = 4  # coordinator -> worker: the job failed (payload: reason)
+FAILURE = 5  # worker -> coordinator: this worker hit an error (payload: reason)
+
+
+class RequestType(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    JOIN = 3
+    ADASUM = 4
+    ALLTOALL = 5
+    BARRIER = 6
+    REDUCESCATTER = 7
+    ADD_PROCESS_SET = 20
+    REMOVE_PROCESS_SET = 21
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class ResponseType(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    JOIN = 3
+    ADASUM = 4
+    ALLTOALL = 5
+    BARRIER = 6
+    REDUCESCATTER = 7
+    ERROR = 8
+    ADD_PROCESS_SET = 20
+    REMOVE_PROCESS_SET = 21
+
+
+@dataclasses.dataclass
+class Request:
+    """One rank's description of one tensor it submitted.
+
+    Attributes:
+        rank: the submitting rank (global).
+        type: the collective.
+        name: the tensor's name, unique among the rank's in-flight tensors.
+        process_set_id: the process set the collective runs in.
+        dtype: a ``DataType`` code.
+        shape: the tensor's shape.
+        reduce_op: a reduce op code (allreduce, reducescatter).
+        root_rank: the root (broadcast, in process-set ranks); the set id (remove).
+        prescale: factor applied to each rank's input before reducing.
+        postscale: factor applied to the result.
+        splits: alltoall split sizes; the ranks of a process set to add.
+        group: the name of the grouped call this tensor belongs to, or "".
+        group_size: the number of tensors in that grouped call.
+    """
+
+    rank: int
+    type: RequestType
+    name: str
+    process_set_id: int = 0
+    dtype: int = 0
+    shape: tuple[int, ...] = ()
+    reduce_op: int = 0
+    root_rank: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    group: str = ""
+    group_size: int = 0
+
+    @property
+    def label(self) -> str:
+        """``<op> '<name>'`` for messages, without the ``<op>.`` prefix bindings add to names."""
+        prefix = self.type.label + "."
+        shown = self.name[len(prefix) :] if self.name.startswith(prefix) else self.name
+        return f"{self.type.label} '{shown}'"
+
+    def encode(self, writer: Writer) -> None:
+        writer.u32(self.rank).u8(self.type).string(self.name).u32(self.process_set_id).u8(self.dtype)
+        writer.i64s(self.shape).u8(self.reduce_op).i64(self.root_rank).f64(self.prescale).f64(self.postscale)
+        writer.i64s(self.splits).string(self.group).u32(self.group_size)
+
+    @classmethod
+    def decode(cls, reader: Reader) -> Request:
+        return cls(
+            rank=reader.u32(),
+            type=_enum(RequestType, reader.u8()),
+            name=reader.string(),
+            process_set_id=reader.u32(),
+            dtype=reader.u8(),
+            shape=tuple(reader.i64s()),
+            reduce_op=reader.u8(),
+            root_rank=reader.i64(),
+            prescale=reader.f64(),
+            postscale=reader.f64(),
+            splits=tuple(reader.i64s()),
+            group=reader.string(),
+            group_size=reader.u32(),
+        )
+
+
+@dataclasses.dataclass
+class Response:
+    """The coordinator's instruction to execute a collective on one or more tensors.
+
+    Attributes:
+        type: the collective, or ERROR.
+        names: the tensors, in the order their data is laid out when fused.
+        process_set_id: the process set it runs in.
+        dtype: a ``DataType`` code.
+        reduce_op: the reduce op code.
+        root_rank: broadcast root (set rank); JOIN: the last rank to join;
+            ADD_PROCESS_SET / REMOVE_PROCESS_SET: the set id.
+        prescale: see ``Request``.
+        postscale: see ``Request``.
+        sizes: ALLREDUCE: element count per tensor; ALLGATHER: first dimension of each
+            rank's tensor, tensor-major; ALLTOALL: the splits matrix, row = sender;
+            ADD_PROCESS_SET: the set's ranks.
+        error: the message, for ERROR responses.
+    """
+
+    type: ResponseType
+    names: list[str]
+    process_set_id: int = 0
+    dtype: int = 0
+    reduce_op: int = 0
+    root_rank: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+    def encode(self, writer: Writer) -> None:
+        writer.u8(self.type).u32(len(self.names))
+        for name in self.names:
+            writer.string(name)
+        writer.u32(self.process_set_id).u8(self.dtype).u8(self.reduce_op).i64(self.root_rank)
+        writer.f64(self.prescale).f64(self.postscale).i64s(self.sizes).string(self.error)
+
+    @classmethod
+    def decode(cls, reader: Reader) -> Response:
+        type_ = _enum(ResponseType, reader.u8())
+        names = [reader.string() for _ in range(reader.count())]
+        return cls(
+            type=type_,
+            names=names,
+            process_set_id=reader.u32(),
+            dtype=reader.u8(),
+            reduce_op=reader.u8(),
+            root_rank=reader.i64(),
+            prescale=reader.f64(),
+            postscale=reader.f64(),
+            sizes=reader.i64s(),
+            error=reader.string(),
+        )
+
+
+def encode_requests(requests: list[Request]) -> bytes:
+    writer = Writer().u32(len(requests))
+    for request in requests:
+        request.encode(writer)
+    return writer.bytes()
+
+
+def decode_requests(payload: bytes) -> list[Request]:
+    reader = Reader(payload)
+    requests = [Request.decode(reader) for _ in range(reader.count())]
+    reader.done()
+    return requests
+
+
+def encode_responses(responses: list[Response]) -> bytes:
+    writer = Writer().u32(len(responses))
+    for response in responses:
+        response.encode(writer)
+    return writer.bytes()
+
+
+def decode_responses(payload: bytes) -> list[Response]:
+    reader = Reader(payload)
+    responses = [Response.decode(reader) for _ in range(reader.count())]
+    reader.done()
+    return responses
+
+
+def encode_reason(reason: str) -> bytes:
+    return Writer().string(reason).bytes()
+
+
+def decode_reason(payload: bytes) -> str:
+    reader = Reader(payload)
+    reason = reader.string()
+    reader.done()
+    return reason
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def _enum(kind: type[E], value: int) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ProtocolError(f"unknown {kind.__name__} code {value}") from None

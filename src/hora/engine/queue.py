@@ -1,0 +1,120 @@
+"""The tensor queue: entries submitted by user threads and waiting for the engine.
+
+User threads ``add`` entries; the engine ``drain``s the new ones to announce them to
+the coordinator, and ``pop``s each by name when its response arrives. Names are
+unique per process set among entries in flight.
+
+Invariant: an entry is in ``_entries`` from ``add`` until ``pop`` or ``close``, and
+appears in ``_new`` at most once, before it is drained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from hora.collectives.reduce import DataType
+from hora.engine.handles import Handle
+from hora.engine.messages import Request
+from hora.errors import HoraInternalError
+
+
+@dataclasses.dataclass
+class Entry:
+    """One submitted tensor.
+
+    Attributes:
+        request: what the coordinator is told.
+        dtype: the element type.
+        input: the data to send, a flat contiguous view (None for barrier and join).
+        output: where a result of the input's shape goes (allreduce, broadcast), a
+            flat view that may be ``input`` itself; None when the engine allocates it.
+        handle: completed with the result.
+    """
+
+    request: Request
+    dtype: DataType
+    input: np.ndarray | None
+    output: np.ndarray | None
+    handle: Handle
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.request.process_set_id, self.request.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.request.shape
+
+
+DUPLICATE_NAME = (
+    "{label}: another tensor of that name is still in flight in process set {set_id}. Names must be "
+    "unique among unfinished collectives: wait for the first (synchronize) or use a different name."
+)
+
+
+class TensorQueue:
+    """Entries in flight, shared between user threads and the engine thread."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[int, str], Entry] = {}
+        self._new: list[Entry] = []
+        self._closed: Callable[[Entry], BaseException] | None = None
+        self._wake = wake
+
+    def add(self, entry: Entry) -> None:
+        """Queues an entry and wakes the engine.
+
+        Raises:
+            ValueError: an entry of the same name is in flight in the same set.
+            HoraInternalError: the runtime has shut down or failed.
+        """
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed(entry)
+            if entry.key in self._entries:
+                raise ValueError(
+                    DUPLICATE_NAME.format(label=entry.request.label, set_id=entry.key[0])
+                )
+            self._entries[entry.key] = entry
+            self._new.append(entry)
+        self._wake()
+
+    def drain(self) -> list[Entry]:
+        """Returns the entries added since the last drain, in submission order."""
+        with self._lock:
+            new, self._new = self._new, []
+            return new
+
+    def pop(self, set_id: int, name: str) -> Entry | None:
+        """Removes and returns the entry, or None if this rank never submitted it."""
+        with self._lock:
+            return self._entries.pop((set_id, name), None)
+
+    def close(self, error_for: Callable[[Entry], BaseException]) -> None:
+        """Fails every entry in flight and every later ``add`` with ``error_for(entry)``."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = error_for
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._new.clear()
+        for entry in entries:
+            entry.handle.fail(error_for(entry))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+def internal_error(reason: str) -> Callable[[Entry], BaseException]:
+    """Builds the error each entry fails with when the job fails or shuts down."""
+
+    def error_for(entry: Entry) -> BaseException:
+        return HoraInternalError(f"{entry.request.label} failed: {reason}")
+
+    return error_for

@@ -1,0 +1,90 @@
+"""The stall inspector: names the ranks that have not submitted a tensor others are waiting on.
+
+When some ranks submit a tensor and others do not, the job waits forever. On rank 0,
+the inspector warns every ``HORA_STALL_CHECK_TIME_SECONDS`` while that lasts, listing
+each missing rank and the tensors it has not submitted; past
+``HORA_STALL_SHUTDOWN_TIME_SECONDS`` (when set above the warning time) it fails the
+job so that every rank raises instead of hanging. It only wakes the engine while
+something waits; an idle engine has no timer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from hora.config import Config
+from hora.engine.coordinator import Coordinator, Stall
+
+log = logging.getLogger("hora")
+
+
+class StalledError(Exception):
+    """Tensors waited past the shutdown time; the message lists them."""
+
+
+def stall_report(stalls: list[Stall], seconds: float) -> str:
+    """Formats the warning: which ranks are missing which tensors."""
+    missing: dict[int, list[str]] = {}
+    for stall in stalls:
+        for rank in stall.missing:
+            missing.setdefault(rank, []).append(stall.name)
+    lines = [
+        f"hora: tensors submitted by some ranks have waited more than {seconds:g} s for the others. "
+        "This happens when ranks submit different tensors, or only some ranks submit, and it will not "
+        "resolve by itself.",
+        "Missing ranks:",
+    ]
+    for rank in sorted(missing):
+        names = missing[rank]
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        lines.append(f"{rank}: [{shown}]")
+    return "\n".join(lines)
+
+
+class StallInspector:
+    """Watches the coordinator's pending tensors.
+
+    Args:
+        config: supplies the warning and shutdown times and the disable flag.
+        clock: returns seconds; injectable for tests.
+    """
+
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = not config.stall_check_disable
+        self.warn_after = config.stall_check_time_seconds
+        # As in Horovod, a shutdown time at or below the warning time is ignored.
+        shutdown = config.stall_shutdown_time_seconds
+        self.shutdown_after = shutdown if shutdown > self.warn_after else None
+        self._clock = clock
+        self._last_warning = float("-inf")
+
+    def seconds_to_next_check(self, coordinator: Coordinator) -> float | None:
+        """How long the engine may sleep before the next check; None when nothing waits."""
+        oldest = coordinator.next_deadline()
+        if not self.enabled or oldest is None:
+            return None
+        due = max(oldest + self.warn_after, self._last_warning + self.warn_after)
+        if self.shutdown_after is not None:
+            due = min(due, oldest + self.shutdown_after)
+        return max(0.0, due - self._clock())
+
+    def check(self, coordinator: Coordinator) -> None:
+        """Warns about stalled tensors; past the shutdown time raises StalledError."""
+        if not self.enabled or coordinator.next_deadline() is None:
+            return
+        stalls = coordinator.stalls(self.warn_after)
+        if not stalls:
+            return
+        now = self._clock()
+        if self.shutdown_after is not None:
+            doomed = [s for s in stalls if s.waited >= self.shutdown_after]
+            if doomed:
+                raise StalledError(
+                    stall_report(doomed, self.warn_after)
+                    + f"\nThese tensors stalled for longer than {self.shutdown_after:g} s; shutting the job down."
+                )
+        if now - self._last_warning >= self.warn_after:
+            self._last_warning = now
+            log.warning("%s", stall_report(stalls, self.warn_after))

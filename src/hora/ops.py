@@ -1,0 +1,252 @@
+"""Submitting collectives, shared by every framework binding.
+
+A binding turns its tensor into a ``Tensor``: a flat, contiguous NumPy view of the
+tensor's memory (no copy), its shape, and its wire type. The functions here check
+what can be checked on this rank alone (types, process-set membership, roots, splits),
+raising ``ValueError`` at once, then queue the tensor and return its ``Handle``.
+What can only be checked across ranks is checked by the coordinator and raised from
+``synchronize``.
+
+Names: an unnamed tensor is called ``<op>.noname.<handle id>``, a named one
+``<op>.<name>``, as Horovod names them, so ranks that submit in the same order agree
+on names without coordination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from hora.collectives.reduce import ADASUM, AVERAGE, MAX, MIN, OP_NAMES, PRODUCT, SUM, DataType, data_type_of
+from hora.engine.handles import Handle
+from hora.engine.messages import RequestType
+from hora.process_sets import ProcessSet
+from hora.runtime import Runtime
+
+
+@dataclasses.dataclass
+class Tensor:
+    """A framework tensor as hora moves it.
+
+    Attributes:
+        data: a flat contiguous view of the tensor's elements (bfloat16 as uint16).
+        shape: the tensor's shape.
+        dtype: the wire type.
+    """
+
+    data: np.ndarray
+    shape: tuple[int, ...]
+    dtype: DataType
+
+
+def from_numpy(array: np.ndarray, *, writable: bool = False) -> Tensor:
+    """Views a NumPy array as a ``Tensor`` without copying.
+
+    Args:
+        array: the array.
+        writable: the view will be written (in-place ops): the array must be
+            C-contiguous and writable, since a copy would not update it.
+
+    Raises:
+        ValueError: the dtype is not supported, or ``writable`` and the array is not
+            contiguous or read-only.
+    """
+    dtype = data_type_of(array.dtype)
+    if writable:
+        if not array.flags.c_contiguous:
+            raise ValueError("Tensor is required to be contiguous.")
+        if not array.flags.writeable:
+            raise ValueError("in-place collectives need a writable array; this one is read-only")
+    storage = np.ascontiguousarray(array).reshape(-1)
+    if dtype == DataType.BFLOAT16:
+        storage = storage.view(np.uint16)
+    return Tensor(storage, tuple(int(d) for d in array.shape), dtype)
+
+
+def full_name(op: str, name: str | None, handle_id: int) -> str:
+    """Horovod's naming: ``<op>.<name>``, or ``<op>.noname.<handle id>``."""
+    return f"{op}.noname.{handle_id}" if name is None else f"{op}.{name}"
+
+
+def set_id(runtime: Runtime, process_set: ProcessSet, what: str) -> int:
+    """Checks that this rank may run a collective in ``process_set``; returns the set id.
+
+    Raises:
+        ValueError: the set is not registered, or this rank is not a member.
+    """
+    if process_set.process_set_id is None or process_set._runtime is not runtime:
+        raise ValueError(f"{what}: {process_set!r} is not registered with the running job (add it first)")
+    members = runtime.engine.sets.get(process_set.process_set_id)
+    if members is None:
+        raise ValueError(f"{what}: process set {process_set.process_set_id} has been removed")
+    if runtime.rank not in members:
+        raise ValueError(
+            f"{what}: rank {runtime.rank} is not a member of process set {process_set.process_set_id} "
+            f"(ranks {list(members)}); only members may run its collectives"
+        )
+    return process_set.process_set_id
+
+
+def _members(runtime: Runtime, set_id_: int) -> tuple[int, ...]:
+    return runtime.engine.sets.ranks(set_id_)
+
+
+def resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> int:
+    """Applies Horovod's rules for the deprecated ``average`` argument.
+
+    Raises:
+        ValueError: both ``op`` and ``average`` were given.
+    """
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        import warnings
+
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in a future release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return AVERAGE if average else SUM
+    return default if op is None else int(op)
+
+
+def _check_reduce(label: str, op: int, tensor: Tensor, allowed: tuple[int, ...]) -> None:
+    if op == ADASUM:
+        raise NotImplementedError(f"{label}: op=Adasum is not implemented in hora yet; use Average or Sum")
+    if op not in allowed:
+        names = ", ".join(OP_NAMES[o] for o in allowed)
+        raise ValueError(f"{label}: reduce op {OP_NAMES.get(op, op)} is not supported here (use {names})")
+    if tensor.dtype == DataType.BOOL and op == AVERAGE:
+        raise ValueError(f"{label}: Average is not defined for bool tensors (use Sum, Min, Max or Product)")
+
+
+def allreduce(
+    runtime: Runtime,
+    tensor: Tensor,
+    output: np.ndarray,
+    name: str,
+    op: int,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    group: tuple[str, int] = ("", 0),
+) -> Handle:
+    """Queues an allreduce of ``tensor`` into ``output`` (a flat view; may be ``tensor.data``).
+
+    Average is a sum with ``postscale`` divided by the set size, as in Horovod.
+    """
+    label = f"allreduce '{name}'"
+    _check_reduce(label, op, tensor, (AVERAGE, SUM, MIN, MAX, PRODUCT))
+    sid = set_id(runtime, process_set, label)
+    if op == AVERAGE:
+        postscale = postscale / len(_members(runtime, sid))
+    return runtime.submit(
+        RequestType.ALLREDUCE, name, tensor.dtype, tensor.data, output, tensor.shape, sid,
+        reduce_op=op, prescale=prescale, postscale=postscale, group=group[0], group_size=group[1],
+    )  # fmt: skip
+
+
+def allgather(
+    runtime: Runtime, tensor: Tensor, name: str, process_set: ProcessSet, group: tuple[str, int] = ("", 0)
+) -> Handle:
+    """Queues an allgather; the handle's result is the concatenation along dimension 0."""
+    label = f"allgather '{name}'"
+    sid = set_id(runtime, process_set, label)
+    data = tensor.data
+    if not tensor.shape:
+        raise ValueError(f"{label}: allgather needs a tensor with at least one dimension; got a scalar")
+    return runtime.submit(
+        RequestType.ALLGATHER, name, tensor.dtype, data, None, tensor.shape, sid, group=group[0], group_size=group[1]
+    )
+
+
+def broadcast(
+    runtime: Runtime, tensor: Tensor, output: np.ndarray, root_rank: int, name: str, process_set: ProcessSet
+) -> Handle:
+    """Queues a broadcast from ``root_rank`` (a rank within the set) into ``output``."""
+    label = f"broadcast '{name}'"
+    sid = set_id(runtime, process_set, label)
+    size = len(_members(runtime, sid))
+    if not 0 <= int(root_rank) < size:
+        raise ValueError(f"{label}: root_rank {root_rank} is not a rank of the process set (size {size})")
+    return runtime.submit(
+        RequestType.BROADCAST, name, tensor.dtype, tensor.data, output, tensor.shape, sid, root_rank=int(root_rank)
+    )
+
+
+def alltoall(
+    runtime: Runtime,
+    tensor: Tensor,
+    splits: Sequence[int] | np.ndarray | None,
+    name: str,
+    process_set: ProcessSet,
+) -> Handle:
+    """Queues an alltoall; the result is (received tensor, splits received from each rank)."""
+    label = f"alltoall '{name}'"
+    sid = set_id(runtime, process_set, label)
+    size = len(_members(runtime, sid))
+    if not tensor.shape:
+        raise ValueError(f"{label}: alltoall needs a tensor with at least one dimension; got a scalar")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(
+                f"{label}: the first dimension ({rows}) must divide evenly by the number of ranks ({size}) "
+                "when splits is not given"
+            )
+        split_list = [rows // size] * size
+    else:
+        split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+        if len(split_list) != size:
+            raise ValueError(f"{label}: splits has {len(split_list)} entries; the process set has {size} ranks")
+        if any(s < 0 for s in split_list):
+            raise ValueError(f"{label}: splits must not be negative; got {split_list}")
+        if sum(split_list) > rows:
+            raise ValueError(f"{label}: splits sum to {sum(split_list)}, more than the first dimension ({rows})")
+    row = 1
+    for dim in tensor.shape[1:]:
+        row *= dim
+    data = tensor.data[: sum(split_list) * row]  # rows past the splits are not sent
+    return runtime.submit(
+        RequestType.ALLTOALL, name, tensor.dtype, data, None, (sum(split_list), *tensor.shape[1:]), sid,
+        splits=split_list,
+    )  # fmt: skip
+
+
+def reducescatter(
+    runtime: Runtime,
+    tensor: Tensor,
+    name: str,
+    op: int,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    group: tuple[str, int] = ("", 0),
+) -> Handle:
+    """Queues a reducescatter; rank ``r`` receives rows ``[r*q + min(r, m), ...)`` of the
+    reduced tensor, where ``q, m = divmod(rows, size)`` (the first ``m`` ranks get one more row)."""
+    label = f"reducescatter '{name}'"
+    _check_reduce(label, op, tensor, (AVERAGE, SUM))
+    sid = set_id(runtime, process_set, label)
+    if not tensor.shape:
+        raise ValueError(f"{label}: reducescatter needs a tensor with at least one dimension; got a scalar")
+    if op == AVERAGE:
+        postscale = postscale / len(_members(runtime, sid))
+    return runtime.submit(
+        RequestType.REDUCESCATTER, name, tensor.dtype, tensor.data, None, tensor.shape, sid,
+        reduce_op=op, prescale=prescale, postscale=postscale, group=group[0], group_size=group[1],
+    )  # fmt: skip
+
+
+def barrier(runtime: Runtime, process_set: ProcessSet) -> Handle:
+    """Queues a barrier over the set (one barrier per set may be in flight on a rank)."""
+    sid = set_id(runtime, process_set, "barrier")
+    return runtime.submit(RequestType.BARRIER, "barrier", DataType.UINT8, None, None, (), sid)
+
+
+def join(runtime: Runtime) -> Handle:
+    """Queues this rank's join; the result is the last rank to join."""
+    return runtime.submit(RequestType.JOIN, "join", DataType.UINT8, None, None)

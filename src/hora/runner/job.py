@@ -1,0 +1,315 @@
+"""Running one job: start every rank, watch them, stop them all when one fails.
+
+``Job.run`` owns everything a job starts and stops all of it before returning:
+
+1. a fresh secret and a ``RendezvousServer`` on ``127.0.0.1`` (stopped at the end);
+2. one ``Worker`` per rank, each in its own process group, with its output forwarded;
+3. a watch loop on one event queue fed by the waiter threads (a rank exited) and,
+   when ``handle_signals`` is on, by SIGINT/SIGTERM/SIGHUP handlers.
+
+The job ends when every rank exited 0, or at the first of: a rank exits non-zero or
+by a signal (the root cause), ``horarun`` receives a signal, the timeout passes.
+Then every rank's process group gets SIGTERM; ranks still running after
+``GRACE_PERIOD`` seconds (or at once, on a second signal) get SIGKILL, and the job
+waits until every rank is reaped. No rank outlives ``Job.run``.
+
+Invariant: only the thread that calls ``run`` signals ranks or changes the job's
+state; the other threads only post events and record exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import FrameType
+
+from hora.runner.hosts import SlotInfo
+from hora.runner.output import Sink
+from hora.runner.rendezvous import RendezvousServer
+from hora.runner.settings import LaunchSettings, rank_env
+from hora.runner.workers import Event, Worker, signal_name
+from hora.transport import auth
+
+GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL
+RENDEZVOUS_HOST = "127.0.0.1"  # every rank runs on this machine for now
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_POLL = 0.1  # seconds; a signal delivered to another thread does not wake a blocked get
+_REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped
+_OUTPUT_TIMEOUT = 2.0  # seconds to wait for pipes a rank's leftovers may hold open
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended.
+
+    Attributes:
+        slot: where the rank ran.
+        pid: its process id.
+        returncode: its exit code, minus the signal number if a signal ended it, or
+            None if it could not be reaped.
+        exit_after: seconds from the job's start to its exit, or None.
+        signals_sent: the signals the launcher sent it while it ran.
+        stderr_tail: the last lines it wrote to stderr.
+    """
+
+    slot: SlotInfo
+    pid: int
+    returncode: int | None
+    exit_after: float | None
+    signals_sent: tuple[int, ...]
+    stderr_tail: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """How a job ended.
+
+    Attributes:
+        ranks: every rank that was started, by rank.
+        first_failure: the rank that failed first (the root cause), or None.
+        interrupted_by: the signal that stopped the job, or None.
+        timed_out: the job was stopped because its timeout passed.
+        running_at_stop: the ranks still running when the job was stopped.
+        start_error: why a rank could not be started, or None.
+        grace: the seconds ranks had between SIGTERM and SIGKILL.
+    """
+
+    ranks: tuple[RankOutcome, ...]
+    first_failure: int | None = None
+    interrupted_by: int | None = None
+    timed_out: bool = False
+    running_at_stop: tuple[int, ...] = ()
+    start_error: str | None = None
+    grace: float = GRACE_PERIOD
+
+    @property
+    def exit_code(self) -> int:
+        """The launcher's exit code: 0 on success; 128+signum when interrupted; the
+        failed rank's exit code (128+signum when a signal ended it); 124 on timeout;
+        127 when a rank could not be started."""
+        if self.interrupted_by is not None:
+            return 128 + self.interrupted_by
+        if self.start_error is not None:
+            return 127
+        if self.first_failure is not None:
+            code = self.ranks[self.first_failure].returncode
+            return 1 if code is None else (code if code > 0 else 128 - code)
+        if self.timed_out:
+            return 124
+        return 0
+
+
+class Job:
+    """One run of ``settings.command`` on the ranks of ``slots``; ``run`` it once.
+
+    Args:
+        settings: the launch settings.
+        slots: where each rank runs, by rank.
+        stdout: where ranks' prefixed stdout lines go.
+        stderr: where ranks' prefixed stderr lines and the launcher's notes go.
+        base_env: the environment ranks inherit.
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+    """
+
+    def __init__(
+        self,
+        settings: LaunchSettings,
+        slots: list[SlotInfo],
+        stdout: Sink,
+        stderr: Sink,
+        base_env: Mapping[str, str],
+        grace: float = GRACE_PERIOD,
+    ) -> None:
+        self._settings = settings
+        self._slots = slots
+        self._stdout = stdout
+        self._stderr = stderr
+        self._base_env = base_env
+        self._grace = grace
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._workers: list[Worker] = []
+        self._start = time.monotonic()
+        self._stop_time: float | None = None
+        self._running_at_stop: tuple[int, ...] = ()
+
+    def run(self, timeout: float | None = None, handle_signals: bool = False) -> JobResult:
+        """Runs the job to its end and stops every rank before returning.
+
+        Args:
+            timeout: seconds after which the job is stopped; None waits forever.
+            handle_signals: catch SIGINT, SIGTERM and SIGHUP to stop the ranks
+                (only possible in the main thread; ignored elsewhere).
+
+        Returns:
+            How the job ended.
+        """
+        self._start = time.monotonic()
+        deadline = None if timeout is None else self._start + timeout
+        secret = auth.new_secret()
+        server = RendezvousServer(secret, host=RENDEZVOUS_HOST).start()
+        interrupted: int | None = None
+        timed_out = False
+        start_error: str | None = None
+        try:
+            with self._signals(handle_signals):
+                if self._settings.verbose:
+                    self._print_plan(server.port)
+                start_error = self._start_all((RENDEZVOUS_HOST, server.port), secret)
+                if start_error is None:
+                    interrupted, timed_out = self._watch(deadline)
+                self._stop_all()
+        finally:
+            if any(worker.running for worker in self._workers):
+                # An exception (KeyboardInterrupt in hora.run) is on its way out.
+                if self._stop_time is None:
+                    self._stop_all()
+                else:
+                    self._kill_all()
+            server.stop()
+        output_deadline = time.monotonic() + _OUTPUT_TIMEOUT
+        for worker in self._workers:
+            worker.join_output(max(0.0, output_deadline - time.monotonic()))
+        return self._result(interrupted, timed_out, start_error)
+
+    @contextmanager
+    def _signals(self, enabled: bool) -> Iterator[None]:
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self._events.put(("signal", signum))  # SimpleQueue.put is reentrant
+
+        previous = {signum: signal.signal(signum, handler) for signum in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
+
+    def _print_plan(self, port: int) -> None:
+        hosts = dict.fromkeys(slot.hostname for slot in self._slots)
+        self._stderr.line(
+            f"horarun: {len(self._slots)} rank{'s' if len(self._slots) != 1 else ''} on {len(hosts)} "
+            f"host{'s' if len(hosts) != 1 else ''}; rendezvous server on {RENDEZVOUS_HOST}:{port}"
+        )
+        for slot in self._slots:
+            self._stderr.line(
+                f"horarun:   rank {slot.rank}: host {slot.hostname}, local rank {slot.local_rank} of "
+                f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}"
+            )
+
+    def _start_all(self, rendezvous: tuple[str, int], secret: bytes) -> str | None:
+        settings = self._settings
+        for slot in self._slots:
+            env = rank_env(self._base_env, settings, slot, rendezvous, secret)
+            try:
+                worker = Worker.start(
+                    slot,
+                    settings.command,
+                    env,
+                    self._events,
+                    self._stdout,
+                    self._stderr,
+                    settings.output_filename,
+                    settings.prefix_timestamp,
+                )
+            except OSError as exc:
+                return f"cannot start rank {slot.rank} ({' '.join(settings.command)!r}): {exc.strerror or exc}"
+            self._workers.append(worker)
+        return None
+
+    def _watch(self, deadline: float | None) -> tuple[int | None, bool]:
+        """Waits until every rank exited 0, a rank failed, a signal came, or the deadline.
+
+        Returns:
+            (the signal that interrupted the job or None, whether the deadline passed).
+        """
+        while any(worker.running for worker in self._workers):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None, True
+            wait = _POLL if deadline is None else min(_POLL, deadline - now)
+            try:
+                kind, value = self._events.get(timeout=wait)
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                self._stderr.line(f"horarun: received {signal_name(value)}: stopping every rank")
+                return value, False
+            if self._workers[value].returncode != 0:
+                return None, False
+        return None, False
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every rank's group; SIGKILL after the grace period; reap all."""
+        if self._stop_time is not None:
+            return
+        self._stop_time = time.monotonic()
+        self._running_at_stop = tuple(worker.slot.rank for worker in self._workers if worker.running)
+        if not self._running_at_stop:
+            return
+        for worker in self._workers:  # exited ranks too: their children may live on
+            worker.signal_group(signal.SIGTERM)
+        grace_end = self._stop_time + self._grace
+        while any(worker.running for worker in self._workers):
+            remaining = grace_end - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                kind, value = self._events.get(timeout=min(_POLL, remaining))
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                self._stderr.line(f"horarun: received {signal_name(value)} again: killing every rank now")
+                break
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        """SIGKILL to every rank's group; waits until every rank is reaped."""
+        for worker in self._workers:
+            worker.signal_group(signal.SIGKILL)
+        reap_end = time.monotonic() + _REAP_TIMEOUT
+        while any(worker.running for worker in self._workers) and time.monotonic() < reap_end:
+            try:
+                self._events.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+
+    def _result(self, interrupted: int | None, timed_out: bool, start_error: str | None) -> JobResult:
+        ranks = tuple(
+            RankOutcome(
+                slot=worker.slot,
+                pid=worker.pid,
+                returncode=worker.returncode,
+                exit_after=None if worker.exit_time is None else worker.exit_time - self._start,
+                signals_sent=tuple(worker.signals_sent),
+                stderr_tail=tuple(worker.stderr_tail),
+            )
+            for worker in self._workers
+        )
+        stop_after = None if self._stop_time is None else self._stop_time - self._start
+        # The root cause: the earliest rank that failed on its own (before the launcher
+        # signalled anything).
+        failed = [
+            rank
+            for rank in ranks
+            if rank.returncode not in (None, 0)
+            and rank.exit_after is not None
+            and (stop_after is None or not rank.signals_sent or rank.exit_after <= stop_after)
+        ]
+        first = min(failed, key=lambda rank: rank.exit_after or 0.0) if failed else None
+        return JobResult(
+            ranks=ranks,
+            first_failure=None if first is None else first.slot.rank,
+            interrupted_by=interrupted,
+            timed_out=timed_out,
+            running_at_stop=self._running_at_stop,
+            start_error=start_error,
+            grace=self._grace,
+        )

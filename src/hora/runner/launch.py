@@ -1,0 +1,79 @@
+"""``launch``: run a command on every rank of a job and return the launcher's exit code.
+
+This is ``horarun`` without the command line: ``cli.main`` parses flags into
+``LaunchSettings`` and calls ``launch``; ``hora.run`` builds settings of its own and
+runs a ``Job`` through ``prepare`` the same way.
+
+Exit codes: 0 when every rank exited 0; the exit code of the rank that failed first
+(128 + the signal number when a signal ended it); 128 + signum when ``horarun`` was
+interrupted (130 for Ctrl-C, 143 for SIGTERM); 127 when a rank could not be started.
+Every failure prints a summary on stderr that names the root cause first
+(``hora.runner.summary``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from hora.runner import hosts
+from hora.runner.hosts import SlotInfo
+from hora.runner.job import Job
+from hora.runner.output import Sink
+from hora.runner.settings import LaunchSettings
+from hora.runner.summary import failure_lines
+
+
+def prepare(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_local_host) -> list[SlotInfo]:
+    """Validates the settings, places the ranks and creates the output directory.
+
+    Args:
+        settings: the launch settings.
+        is_local: tells whether a host name names this machine.
+
+    Returns:
+        Where each rank runs, by rank.
+
+    Raises:
+        ValueError: a setting is invalid, the hosts are malformed or have too few
+            slots, a host is another machine, or the output directory cannot be created.
+    """
+    settings.validate()
+    slots = hosts.plan(settings.num_proc, settings.hosts, settings.hostfile, is_local)
+    if settings.output_filename is not None:
+        try:
+            os.makedirs(settings.output_filename, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(
+                f"--output-filename: cannot create the directory {settings.output_filename!r}: {exc.strerror or exc}"
+            ) from None
+    return slots
+
+
+def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_local_host) -> int:
+    """Runs ``settings.command`` on every rank and waits for the job to end.
+
+    Output of every rank is forwarded to this process's stdout and stderr with
+    ``[<rank>]<stdout>:`` / ``[<rank>]<stderr>:`` prefixes. When a rank fails, every
+    other rank is stopped (SIGTERM, then SIGKILL after ``job.GRACE_PERIOD`` seconds)
+    and a summary naming the failed rank first is printed on stderr. In the main
+    thread, SIGINT, SIGTERM and SIGHUP stop every rank the same way.
+
+    Args:
+        settings: what to run, where and how.
+        is_local: tells whether a host name names this machine.
+
+    Returns:
+        The exit code (see the module docstring).
+
+    Raises:
+        ValueError: the settings or the hosts are invalid; nothing was started.
+    """
+    slots = prepare(settings, is_local)
+    stderr = Sink(sys.stderr)
+    job = Job(settings, slots, Sink(sys.stdout), stderr, os.environ)
+    result = job.run(handle_signals=True)
+    for line in failure_lines(result):
+        stderr.line(line)
+    return result.exit_code

@@ -1,0 +1,194 @@
+"""The runtime: everything ``init()`` builds and ``shutdown()`` tears down.
+
+A ``Runtime`` owns the connections to the other ranks, the engine thread, and the
+table of outstanding handles. Nothing about a running job lives anywhere else, so a
+second ``init()`` after ``shutdown()`` builds a fresh one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hora.collectives.reduce import DataType
+from hora.config import Config
+from hora.engine.engine import Engine
+from hora.engine.handles import Handle
+from hora.engine.messages import Request, RequestType
+from hora.engine.queue import Entry
+from hora.errors import HoraInternalError
+from hora.transport.mesh import Mesh, build_mesh
+from hora.transport.rendezvous import RendezvousClient, is_loopback
+
+log = logging.getLogger("hora")
+
+Finish = Callable[[Any], Any]
+
+
+class Runtime:
+    """One initialized hora job, as seen from this process.
+
+    Args:
+        config: the validated configuration.
+        generation: counts this process's initializations; every rank of a job counts
+            alike, so rendezvous keys of different generations never collide.
+
+    Raises:
+        HoraInternalError: the other ranks could not be reached; names them.
+    """
+
+    def __init__(self, config: Config, generation: int) -> None:
+        self.config = config
+        self.topology = config.topology
+        self.pid = os.getpid()
+        mesh = _connect(config, generation) if self.topology.size > 1 else None
+        self.hosts: list[str] = mesh.hosts if mesh is not None else [self.topology.hostname]
+        self.engine = Engine(config, mesh)
+        self.engine.start()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._handles: dict[int, tuple[Handle | list[Handle], Finish]] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def size(self) -> int:
+        return self.topology.size
+
+    def next_id(self) -> int:
+        """Reserves the next handle id (Horovod names unnamed tensors after it)."""
+        with self._lock:
+            return next(self._ids)
+
+    def submit(
+        self,
+        kind: RequestType,
+        name: str,
+        dtype: DataType,
+        data: np.ndarray | None,
+        output: np.ndarray | None,
+        shape: Sequence[int] = (),
+        process_set_id: int = 0,
+        reduce_op: int = 0,
+        root_rank: int = 0,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        splits: Sequence[int] = (),
+        group: str = "",
+        group_size: int = 0,
+    ) -> Handle:
+        """Queues one tensor for the engine and returns its handle.
+
+        Raises:
+            ValueError: a tensor of this name is already in flight.
+            HoraInternalError: the job has failed or shut down.
+        """
+        self.check_process()
+        request = Request(
+            rank=self.rank,
+            type=kind,
+            name=name,
+            process_set_id=process_set_id,
+            dtype=int(dtype),
+            shape=tuple(int(d) for d in shape),
+            reduce_op=reduce_op,
+            root_rank=root_rank,
+            prescale=float(prescale),
+            postscale=float(postscale),
+            splits=tuple(int(s) for s in splits),
+            group=group,
+            group_size=group_size,
+        )
+        handle = Handle(name)
+        self.engine.submit(Entry(request, dtype, data, output, handle))
+        return handle
+
+    def register(self, handle_id: int, handles: Handle | list[Handle], finish: Finish) -> int:
+        """Files handles under an id for ``poll``/``synchronize``; returns the id."""
+        with self._lock:
+            self._handles[handle_id] = (handles, finish)
+        return handle_id
+
+    def poll(self, handle_id: int) -> bool:
+        """True when the collective behind the id has finished.
+
+        Raises:
+            ValueError: no outstanding collective has this id.
+        """
+        with self._lock:
+            found = self._handles.get(handle_id)
+        if found is None:
+            raise ValueError(f"handle {handle_id} is not an outstanding hora operation")
+        handles = found[0]
+        return all(h.done() for h in handles) if isinstance(handles, list) else handles.done()
+
+    def synchronize(self, handle_id: int) -> Any:
+        """Waits for the collective behind the id and returns its result.
+
+        Returns None for an unknown id, as Horovod does.
+
+        Raises:
+            HoraInternalError: the job failed while this collective was in flight.
+            CollectiveMismatchError: the ranks disagreed about this collective.
+        """
+        with self._lock:
+            found = self._handles.get(handle_id)
+        if found is None:
+            return None
+        handles, finish = found
+        try:
+            result = [h.wait() for h in handles] if isinstance(handles, list) else handles.wait()
+        finally:
+            with self._lock:
+                self._handles.pop(handle_id, None)
+        return finish(result)
+
+    def check_process(self) -> None:
+        """Refuses use from a forked child, whose copy of the engine thread is dead."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                f"hora was initialized in process {self.pid}, and this process ({os.getpid()}) is a fork of it: "
+                "a forked child does not inherit hora's engine thread. Call hvd.init() in the child "
+                "(or fork before hvd.init())."
+            )
+
+    def shutdown(self) -> None:
+        """Stops the engine and closes every connection; outstanding handles fail."""
+        if os.getpid() == self.pid:
+            self.engine.stop()
+
+    @property
+    def failure(self) -> str | None:
+        return self.engine.failure
+
+
+def _connect(config: Config, generation: int) -> Mesh:
+    topology = config.topology
+    assert config.rendezvous_addr and config.rendezvous_port and config.secret  # checked by Config
+    try:
+        client = RendezvousClient(config.rendezvous_addr, config.rendezvous_port, config.secret, config.start_timeout)
+    except (OSError, TimeoutError) as exc:
+        raise HoraInternalError(
+            f"hora.init: rank {topology.rank} could not reach the rendezvous server at "
+            f"{config.rendezvous_addr}:{config.rendezvous_port}: {exc}"
+        ) from None
+    with client:
+        bind = "127.0.0.1" if is_loopback(config.rendezvous_addr) else client.local_address()
+        return build_mesh(
+            topology.rank,
+            topology.size,
+            topology.hostname,
+            config.secret,
+            client,
+            generation,
+            config.start_timeout,
+            bind,
+        )

@@ -1,0 +1,118 @@
+"""The per-job secret and the HMAC challenge every connection passes first.
+
+The launcher makes a random secret per job and hands it to its ranks through
+``HORA_SECRET``. Each connection (rank to rendezvous server, rank to rank) starts with
+a mutual challenge, before either side parses anything else:
+
+1. acceptor -> connector: ``MAGIC`` + 32-byte nonce ``a``
+2. connector -> acceptor: ``MAGIC`` + 32-byte nonce ``c`` + HMAC-SHA256(secret, "connector" | a | c)
+3. acceptor -> connector: HMAC-SHA256(secret, "acceptor" | c | a)
+
+Each side checks the other's MAC with ``hmac.compare_digest``. A peer that sends the
+wrong magic, a wrong MAC, or nothing within the timeout fails with
+``AuthenticationError`` and is dropped; the secret never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+
+from hora.errors import AuthenticationError, ProtocolError
+
+MAGIC = b"HORA\x00\x01\x00\x00"  # protocol name and version
+NONCE_BYTES = 32
+MAC_BYTES = 32
+SECRET_BYTES = 32
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def new_secret() -> bytes:
+    """Returns a fresh random job secret."""
+    return os.urandom(SECRET_BYTES)
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, count: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = sock.recv(count - len(chunks))
+        if not chunk:
+            raise AuthenticationError("the peer closed the connection during the handshake (a wrong job secret?)")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _check_magic(data: bytes) -> None:
+    if data != MAGIC:
+        raise AuthenticationError("the peer does not speak hora's protocol (bad magic bytes)")
+
+
+def accept_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Runs the acceptor's side of the challenge on a blocking socket.
+
+    Args:
+        sock: a freshly accepted connection.
+        secret: the job secret.
+        timeout: seconds the peer has to answer.
+
+    Raises:
+        AuthenticationError: the peer did not prove it knows the secret.
+    """
+    previous = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        mine = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + mine)
+        reply = _recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES)
+        _check_magic(reply[: len(MAGIC)])
+        theirs = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
+        mac = reply[len(MAGIC) + NONCE_BYTES :]
+        if not hmac.compare_digest(mac, _mac(secret, b"connector", mine, theirs)):
+            raise AuthenticationError("the peer failed the challenge: it does not hold this job's secret")
+        sock.sendall(_mac(secret, b"acceptor", theirs, mine))
+    except (TimeoutError, socket.timeout):
+        raise AuthenticationError(f"the peer did not complete the handshake within {timeout:g} s") from None
+    except (ConnectionError, OSError) as exc:
+        if isinstance(exc, AuthenticationError):
+            raise
+        raise AuthenticationError(f"the connection failed during the handshake: {exc}") from None
+    finally:
+        sock.settimeout(previous)
+
+
+def connect_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Runs the connector's side of the challenge on a blocking socket.
+
+    Args:
+        sock: a freshly connected socket.
+        secret: the job secret.
+        timeout: seconds the peer has to answer.
+
+    Raises:
+        AuthenticationError: the peer is not hora or does not hold the secret.
+    """
+    previous = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+        _check_magic(hello[: len(MAGIC)])
+        theirs = hello[len(MAGIC) :]
+        mine = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + mine + _mac(secret, b"connector", theirs, mine))
+        mac = _recv_exact(sock, MAC_BYTES)
+        if not hmac.compare_digest(mac, _mac(secret, b"acceptor", mine, theirs)):
+            raise AuthenticationError("the server failed the challenge: it does not hold this job's secret")
+    except (TimeoutError, socket.timeout):
+        raise AuthenticationError(f"the peer did not complete the handshake within {timeout:g} s") from None
+    except (ConnectionError, OSError, ProtocolError) as exc:
+        if isinstance(exc, AuthenticationError):
+            raise
+        raise AuthenticationError(f"the connection failed during the handshake: {exc}") from None
+    finally:
+        sock.settimeout(previous)

@@ -1,0 +1,348 @@
+"""Authenticated TCP links between ranks, framed control messages, and zero-copy data exchange.
+
+A ``Link`` is one connected, authenticated socket to a peer rank. After set-up every
+link is non-blocking; ``exchange`` moves any number of buffers to and from any number
+of links at once, straight from and into NumPy memory (``send`` of a memoryview,
+``recv_into``), waiting in ``poll`` when no socket can make progress (never spinning).
+Because sends and receives progress together, two ranks that send each other large
+buffers at the same moment cannot deadlock on full kernel buffers.
+
+Control messages are frames: a 5-byte header (payload length, kind) and a payload.
+``FrameReader`` assembles frames from whatever bytes a non-blocking read returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from hora.errors import ProtocolError
+
+FRAME_HEADER = struct.Struct("<IB")  # payload length, kind
+MAX_FRAME = 256 * 1024 * 1024
+_RECV_CHUNK = 1 << 16
+CLOSED = "its connection closed (the process exited, was killed, or shut down)"
+
+
+class LinkClosed(ConnectionError):
+    """The peer at the other end of a link closed it, reset it, or died.
+
+    Attributes:
+        link: the link that failed.
+    """
+
+    def __init__(self, link: Link, detail: str) -> None:
+        super().__init__(f"lost the connection to rank {link.peer} ({link.peer_host}): {detail}")
+        self.link = link
+        self.detail = detail
+
+
+def configure(sock: socket.socket) -> None:
+    """Sets the options every hora TCP connection uses (no Nagle delay, keepalive)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # A host that vanishes from the network is noticed in about 30 s instead of hours.
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, option) and sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
+    """Opens a listening TCP socket.
+
+    Args:
+        host: the address to bind.
+        port: the port, 0 for any free one.
+        backlog: pending connections the kernel queues.
+
+    Returns:
+        The listening socket.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    """Connects to ``host:port``, retrying refused connections until ``timeout``.
+
+    Raises:
+        TimeoutError: no connection could be made in time; the message names the address.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            configure(sock)
+            return sock
+        except OSError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise TimeoutError(f"could not connect to {host}:{port} within {timeout:g} s: {exc}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def encode_frame(kind: int, payload: bytes) -> bytes:
+    """Returns the bytes of one frame: header, then payload."""
+    return FRAME_HEADER.pack(len(payload), kind) + payload
+
+
+def send_frame_blocking(sock: socket.socket, kind: int, payload: bytes) -> None:
+    """Sends one frame on a blocking socket."""
+    sock.sendall(encode_frame(kind, payload))
+
+
+def recv_frame_blocking(sock: socket.socket, max_size: int = MAX_FRAME) -> tuple[int, bytes]:
+    """Receives one frame on a blocking socket.
+
+    Returns:
+        (kind, payload).
+
+    Raises:
+        ConnectionError: the peer closed the connection.
+        ProtocolError: the header announces a frame larger than ``max_size``.
+    """
+    header = _recv_exact_blocking(sock, FRAME_HEADER.size)
+    length, kind = FRAME_HEADER.unpack(header)
+    if length > max_size:
+        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_size}")
+    return kind, _recv_exact_blocking(sock, length)
+
+
+def _recv_exact_blocking(sock: socket.socket, count: int) -> bytes:
+    data = bytearray(count)
+    view = memoryview(data)
+    got = 0
+    while got < count:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += n
+    return bytes(data)
+
+
+class FrameReader:
+    """Assembles frames from the bytes a non-blocking socket yields.
+
+    Invariant: ``_buffer`` holds the bytes received but not yet returned as frames,
+    always starting at a frame boundary.
+    """
+
+    def __init__(self, max_size: int = MAX_FRAME) -> None:
+        self._buffer = bytearray()
+        self._max_size = max_size
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Adds received bytes and returns every frame now complete, in order.
+
+        Raises:
+            ProtocolError: a header announces a frame larger than the limit.
+        """
+        self._buffer += data
+        frames: list[tuple[int, bytes]] = []
+        offset = 0
+        while len(self._buffer) - offset >= FRAME_HEADER.size:
+            length, kind = FRAME_HEADER.unpack_from(self._buffer, offset)
+            if length > self._max_size:
+                raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self._max_size}")
+            end = offset + FRAME_HEADER.size + length
+            if end > len(self._buffer):
+                break
+            frames.append((kind, bytes(self._buffer[offset + FRAME_HEADER.size : end])))
+            offset = end
+        del self._buffer[:offset]
+        return frames
+
+
+class Link:
+    """An authenticated connection to one peer rank.
+
+    Attributes:
+        sock: the socket, non-blocking once ``set_nonblocking`` ran.
+        peer: the peer's global rank.
+        peer_host: the peer's host name, for error messages.
+        frames: control frames received but not yet consumed, in arrival order.
+        closed_by_peer: set when the peer closed its end.
+    """
+
+    def __init__(self, sock: socket.socket, peer: int, peer_host: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.peer_host = peer_host
+        self.frames: deque[tuple[int, bytes]] = deque()
+        self.closed_by_peer = False
+        self.close_detail = CLOSED
+        self._reader = FrameReader()
+        self._outbox = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def set_nonblocking(self) -> None:
+        self.sock.setblocking(False)
+
+    def pump(self) -> bool:
+        """Reads whatever control bytes are available into ``frames``.
+
+        Sets ``closed_by_peer`` (and ``close_detail``) instead of raising when the peer
+        closed or reset the connection, so frames it sent before closing are still
+        seen; the caller decides whether that closing was expected.
+
+        Returns:
+            True if at least one new frame arrived or the peer closed.
+
+        Raises:
+            ProtocolError: the peer sent a malformed frame header.
+        """
+        changed = False
+        while not self.closed_by_peer:
+            try:
+                data = self.sock.recv(_RECV_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                data = b""
+                self.close_detail = _describe(exc)
+            if not data:
+                self.closed_by_peer = True
+                return True
+            new = self._reader.feed(data)
+            if new:
+                self.frames.extend(new)
+                changed = True
+        return changed
+
+    def send_frame(self, kind: int, payload: bytes, watch: Watch | None = None) -> None:
+        """Sends one control frame on the non-blocking socket, waiting as needed."""
+        exchange([(self, memoryview(encode_frame(kind, payload)))], [], watch)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Watch:
+    """Links whose control frames must keep flowing while an exchange waits.
+
+    An exchange that blocks also reads these links, so a message (an abort, a request)
+    is seen even mid-collective and a peer's control socket never fills up. ``on_frame``
+    is called after new frames arrive or the peer closes, and may raise to abandon
+    the exchange.
+    """
+
+    def __init__(self, links: Sequence[Link], on_frame: Callable[[Link], None]) -> None:
+        self.links = {link.fileno(): link for link in links}
+        self.on_frame = on_frame
+
+
+_POLL_IN = select.POLLIN | select.POLLPRI
+_POLL_OUT = select.POLLOUT
+_POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+class _Transfer:
+    """One buffer being sent or received; ``done`` counts the bytes moved so far."""
+
+    __slots__ = ("done", "link", "view")
+
+    def __init__(self, link: Link, view: memoryview) -> None:
+        self.link = link
+        self.view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        self.done = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.done < len(self.view)
+
+
+def exchange(
+    sends: Sequence[tuple[Link, memoryview]],
+    recvs: Sequence[tuple[Link, memoryview]],
+    watch: Watch | None = None,
+) -> None:
+    """Sends and receives the given buffers concurrently, returning when all are done.
+
+    Each buffer is transferred in full; a link may appear in both lists (both
+    directions of one socket run at once). Bytes go straight from and into the
+    buffers' memory.
+
+    Args:
+        sends: (link, bytes to send) pairs.
+        recvs: (link, buffer to fill) pairs; each buffer is filled completely.
+        watch: control links to keep reading while waiting.
+
+    Raises:
+        LinkClosed: a peer closed, reset, or died; names the peer.
+        Exception: whatever ``watch.on_frame`` raises.
+    """
+    outgoing = [_Transfer(link, view) for link, view in sends]
+    incoming = [_Transfer(link, view) for link, view in recvs]
+    while True:
+        # Progress every transfer as far as the kernel allows without blocking.
+        for transfer in outgoing:
+            while transfer.pending:
+                try:
+                    transfer.done += transfer.link.sock.send(transfer.view[transfer.done :])
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise LinkClosed(transfer.link, _describe(exc)) from None
+        for transfer in incoming:
+            while transfer.pending:
+                try:
+                    n = transfer.link.sock.recv_into(transfer.view[transfer.done :])
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise LinkClosed(transfer.link, _describe(exc)) from None
+                if n == 0:
+                    transfer.link.closed_by_peer = True
+                    raise LinkClosed(transfer.link, CLOSED)
+                transfer.done += n
+        outgoing = [t for t in outgoing if t.pending]
+        incoming = [t for t in incoming if t.pending]
+        if not outgoing and not incoming:
+            return
+        _wait(outgoing, incoming, watch)
+
+
+def _wait(outgoing: list[_Transfer], incoming: list[_Transfer], watch: Watch | None) -> None:
+    masks: dict[int, int] = {}
+    for transfer in outgoing:
+        fd = transfer.link.fileno()
+        masks[fd] = masks.get(fd, 0) | _POLL_OUT
+    for transfer in incoming:
+        fd = transfer.link.fileno()
+        masks[fd] = masks.get(fd, 0) | _POLL_IN
+    if watch is not None:
+        for fd in watch.links:
+            masks[fd] = masks.get(fd, 0) | _POLL_IN
+    poller = select.poll()
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
+    for fd, events in poller.poll():
+        # A data socket's error or hang-up shows when it is next read or written;
+        # only watched links are serviced here.
+        if watch is not None and fd in watch.links and events & (_POLL_IN | _POLL_ERR):
+            link = watch.links[fd]
+            if link.pump():
+                if link.closed_by_peer:
+                    del watch.links[fd]  # at EOF it would poll readable forever
+                watch.on_frame(link)
+
+
+def _describe(exc: OSError) -> str:
+    if exc.errno in (errno.ECONNRESET, errno.EPIPE):
+        return "the connection was reset (the peer process probably died)"
+    return str(exc)

@@ -1,0 +1,128 @@
+"""Runs a Python function on N fresh ranks, each a real process, for one test.
+
+Every call starts its own rendezvous server and processes, so one test's failure
+never affects the next. Ranks get the same environment ``horarun`` gives them. The
+function is pickled by reference (test modules are importable in the ranks through
+PYTHONPATH); its return value comes back through a file per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from hora.runner.rendezvous import RendezvousServer
+from hora.transport import auth
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    output: str
+    value: Any = None
+    error: str | None = None
+
+
+class JobFailed(AssertionError):
+    pass
+
+
+def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HORA_RANK=str(rank),
+        HORA_SIZE=str(size),
+        HORA_LOCAL_RANK=str(rank),
+        HORA_LOCAL_SIZE=str(size),
+        HORA_CROSS_RANK="0",
+        HORA_CROSS_SIZE="1",
+        HORA_RENDEZVOUS_ADDR="127.0.0.1",
+        HORA_RENDEZVOUS_PORT=str(port),
+        HORA_SECRET=secret.hex(),
+        HORA_START_TIMEOUT="30",
+        PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(
+    size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> list[Any] | list[RankResult]:
+    """Runs ``fn(*args)`` on ``size`` ranks.
+
+    Returns:
+        With ``check``: each rank's return value, by rank (raising JobFailed, with
+        every rank's output, when a rank fails or the timeout passes). Without:
+        a RankResult per rank.
+    """
+    secret = auth.new_secret()
+    server = RendezvousServer(secret).start()
+    workdir = Path(tempfile.mkdtemp(prefix="hora-test-"))
+    (workdir / "payload").write_bytes(cloudpickle.dumps((fn, args)))
+    procs = []
+    try:
+        for rank in range(size):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rank_main", str(workdir)],
+                    env=rank_env(rank, size, server.port, secret, env),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        results = []
+        timed_out = False
+        for rank, proc in enumerate(procs):
+            try:
+                output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                output += f"\n[harness] rank {rank} killed after the {timeout:g} s timeout"
+            result = RankResult(rank, proc.returncode, output)
+            value_file = workdir / f"result.{rank}"
+            error_file = workdir / f"error.{rank}"
+            if value_file.exists():
+                result.value = cloudpickle.loads(value_file.read_bytes())
+            if error_file.exists():
+                result.error = error_file.read_text()
+            results.append(result)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        server.stop()
+    if not check:
+        return results
+    if timed_out or any(r.returncode != 0 for r in results):
+        report = "\n".join(
+            f"--- rank {r.rank} (exit {r.returncode})\n{r.output}{r.error or ''}" for r in results
+        )
+        raise JobFailed(f"job of {size} ranks failed:\n{report}")
+    return [r.value for r in results]

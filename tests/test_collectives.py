@@ -1,0 +1,198 @@
+"""Every collective x dtype x op at world sizes 1-4, against NumPy on the concatenated inputs.
+
+Each test is one job: every rank runs all cases of one collective and returns the
+list of cases that went wrong (empty when all agree with NumPy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data import ALL, BFLOAT16, FLOATS, INTS, make, tolerance
+from harness import run_ranks
+
+SIZES = [1, 2, 3, 4]
+SHAPES = [(), (0,), (1,), (5,), (17, 3), (2, 3, 4)]
+
+
+def _wide(array: np.ndarray) -> np.ndarray:
+    """Computes expectations in float64 (or exactly, for ints and bools)."""
+    if array.dtype == np.bool_ or array.dtype.kind in "iu":
+        return array.astype(np.int64) if array.dtype != np.bool_ else array
+    return array.astype(np.float64)
+
+
+def _compare(case: str, got: np.ndarray, want: np.ndarray, dtype: np.dtype, problems: list[str]) -> None:
+    if got.shape != want.shape:
+        problems.append(f"{case}: shape {got.shape} != {want.shape}")
+        return
+    if got.dtype != dtype:
+        problems.append(f"{case}: dtype {got.dtype} != {dtype}")
+        return
+    if dtype.kind in "fV" or dtype == BFLOAT16:
+        ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance(dtype), atol=tolerance(dtype))
+    else:
+        ok = np.array_equal(got, want.astype(dtype))
+    if not ok:
+        problems.append(f"{case}: got {got.reshape(-1)[:6]} want {want.reshape(-1)[:6]}")
+
+
+def allreduce_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    ops = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
+    for dtype in ALL:
+        for op_name, op in ops.items():
+            if dtype == np.bool_ and op_name == "Average":
+                continue
+            for salt, shape in enumerate(SHAPES):
+                near_one = op_name == "Product"
+                inputs = [make(dtype, r, shape, salt, near_one) for r in range(n)]
+                wide = np.stack([_wide(x) for x in inputs]) if shape != () else np.array([_wide(x) for x in inputs])
+                if dtype == np.bool_:
+                    want = {"Sum": wide.any(0), "Max": wide.any(0), "Min": wide.all(0), "Product": wide.all(0)}[op_name]
+                elif op_name == "Average":
+                    want = wide.sum(0) / n
+                    if dtype.kind in "iu":
+                        want = np.trunc(want)
+                else:
+                    want = {"Sum": wide.sum(0), "Min": wide.min(0), "Max": wide.max(0), "Product": wide.prod(0)}[op_name]
+                case = f"allreduce {dtype} {op_name} {shape}"
+                mine = inputs[me].copy()
+                got = hvd.allreduce(mine, op=op, name=case)
+                _compare(case, np.asarray(got), np.asarray(want), dtype, problems)
+                if not np.array_equal(mine, inputs[me]):
+                    problems.append(f"{case}: the input was modified")
+                inplace = inputs[me].copy()
+                returned = hvd.allreduce_(inplace, op=op, name=case + " in place")
+                if returned is not inplace:
+                    problems.append(f"{case}: allreduce_ did not return its input")
+                _compare(case + " in place", inplace, np.asarray(want), dtype, problems)
+    # prescale / postscale
+    x = make(np.dtype(np.float64), me, (7,))
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25, name="scaled")
+    want = sum(make(np.dtype(np.float64), r, (7,)) for r in range(n)) * 2.0 * 0.25
+    _compare("scaled", got, want, np.dtype(np.float64), problems)
+    # deprecated average=
+    with pytest.warns(DeprecationWarning):
+        got = hvd.allreduce(np.ones(3) * me, average=False, name="dep")
+    _compare("average=False", got, np.ones(3) * sum(range(n)), np.dtype(np.float64), problems)
+    try:
+        hvd.allreduce(np.ones(3), average=True, op=hvd.Sum)
+        problems.append("op and average together did not raise")
+    except ValueError as exc:
+        if "supersedes" not in str(exc):
+            problems.append(f"wrong message: {exc}")
+    hvd.shutdown()
+    return problems
+
+
+def allgather_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    for dtype in ALL:
+        for salt, tail in enumerate([(), (3,), (2, 2)]):
+            rows = [(r * 2 + salt) % 4 for r in range(n)]  # uneven, sometimes zero rows
+            inputs = [make(dtype, r, (rows[r], *tail), salt) for r in range(n)]
+            want = np.concatenate(inputs)
+            case = f"allgather {dtype} {tail}"
+            _compare(case, hvd.allgather(inputs[me], name=case), want, dtype, problems)
+    got = hvd.grouped_allgather([np.full((me + 1,), me), np.full((1, 2), float(me))], name="g")
+    _compare("grouped 0", got[0], np.concatenate([np.full((r + 1,), r) for r in range(n)]), got[0].dtype, problems)
+    _compare("grouped 1", got[1], np.concatenate([np.full((1, 2), float(r)) for r in range(n)]), got[1].dtype, problems)
+    hvd.shutdown()
+    return problems
+
+
+def broadcast_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    for dtype in ALL:
+        for root in range(n):
+            for salt, shape in enumerate([(), (4,), (3, 5)]):
+                want = make(dtype, root, shape, salt)
+                mine = make(dtype, me, shape, salt)
+                case = f"broadcast {dtype} root {root} {shape}"
+                _compare(case, hvd.broadcast(mine, root, name=case), want, dtype, problems)
+                hvd.broadcast_(mine, root_rank=root, name=case + " in place")
+                _compare(case + " in place", mine, want, dtype, problems)
+    obj = hvd.broadcast_object({"from": me, "list": list(range(me + 2))}, root_rank=n - 1)
+    if obj != {"from": n - 1, "list": list(range(n + 1))}:
+        problems.append(f"broadcast_object got {obj}")
+    gathered = hvd.allgather_object(("rank", me))
+    if gathered != [("rank", r) for r in range(n)]:
+        problems.append(f"allgather_object got {gathered}")
+    hvd.shutdown()
+    return problems
+
+
+def alltoall_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    for dtype in ALL:
+        # even split
+        inputs = [make(dtype, r, (2 * n, 3)) for r in range(n)]
+        want = np.concatenate([inputs[r][2 * me : 2 * me + 2] for r in range(n)])
+        _compare(f"alltoall even {dtype}", hvd.alltoall(inputs[me], name=f"even {dtype}"), want, dtype, problems)
+        # explicit uneven splits; rank r sends (r + j) % 3 rows to rank j, plus an unsent tail row
+        splits = [[(r + j) % 3 for j in range(n)] for r in range(n)]
+        inputs = [make(dtype, r, (sum(splits[r]) + 1, 2), 5) for r in range(n)]
+        offsets = [np.concatenate(([0], np.cumsum(s))) for s in splits]
+        want = np.concatenate([inputs[r][offsets[r][me] : offsets[r][me + 1]] for r in range(n)])
+        got, received = hvd.alltoall(inputs[me], splits=splits[me], name=f"uneven {dtype}")
+        _compare(f"alltoall uneven {dtype}", got, want, dtype, problems)
+        if list(received) != [splits[r][me] for r in range(n)]:
+            problems.append(f"received splits {list(received)}")
+    hvd.shutdown()
+    return problems
+
+
+def reducescatter_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    for dtype in FLOATS + INTS:
+        for op_name, op in (("Sum", hvd.Sum), ("Average", hvd.Average)):
+            for rows in (n, 2 * n + 1, 1, 0):
+                inputs = [make(dtype, r, (rows, 3), rows) for r in range(n)]
+                total = np.stack([_wide(x) for x in inputs]).sum(0)
+                if op_name == "Average":
+                    total = total / n
+                    if dtype.kind in "iu":
+                        total = np.trunc(total)
+                q, m = divmod(rows, n)
+                start = me * q + min(me, m)
+                want = total[start : start + q + (1 if me < m else 0)]
+                case = f"reducescatter {dtype} {op_name} rows={rows}"
+                _compare(case, hvd.reducescatter(inputs[me], op=op, name=case), want, dtype, problems)
+    got = hvd.grouped_reducescatter([np.ones((n, 2)), np.ones((2 * n,))], op=hvd.Sum, name="g")
+    _compare("grouped rs 0", got[0], np.full((1, 2), float(n)), np.dtype(np.float64), problems)
+    _compare("grouped rs 1", got[1], np.full((2,), float(n)), np.dtype(np.float64), problems)
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize(
+    "job", [allreduce_job, allgather_job, broadcast_job, alltoall_job, reducescatter_job], ids=lambda f: f.__name__
+)
+@pytest.mark.timeout(240)
+def test_collective(job, size):
+    results = run_ranks(size, job, timeout=200)
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])

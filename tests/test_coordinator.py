@@ -1,0 +1,157 @@
+"""The coordinator's decisions, in-process: readiness, order, validation messages, fusion, join."""
+
+import pytest
+
+from hora.collectives.reduce import AVERAGE, SUM, DataType
+from hora.engine.coordinator import Coordinator
+from hora.engine.fusion import fuse
+from hora.engine.messages import Request, RequestType, Response, ResponseType
+
+F32 = int(DataType.FLOAT32)
+
+
+def req(rank, name, kind=RequestType.ALLREDUCE, shape=(4,), **kw):
+    kw.setdefault("dtype", F32)
+    kw.setdefault("reduce_op", SUM)
+    return Request(rank, kind, name, shape=shape, **kw)
+
+
+def take(coordinator):
+    return [(r.type, r.names, members) for r, members in coordinator.take()]
+
+
+def test_ready_only_when_every_rank_submitted_in_any_order():
+    c = Coordinator(3, fusion_threshold=0)
+    c.submit(req(2, "a"))
+    c.submit(req(0, "b"))
+    c.submit(req(0, "a"))
+    assert take(c) == []
+    c.submit(req(1, "b"))
+    c.submit(req(1, "a"))
+    assert take(c) == [(ResponseType.ALLREDUCE, ["a"], (0, 1, 2))]
+    c.submit(req(2, "b"))
+    assert take(c) == [(ResponseType.ALLREDUCE, ["b"], (0, 1, 2))]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({1: {"shape": (17, 23, 57)}, 0: {"shape": (17, 1311)}, 2: {"shape": (17, 1311)}},
+         "allreduce 'grad': shapes differ across ranks: ranks 0, 2: (17, 1311), rank 1: (17, 23, 57)"),
+        ({1: {"dtype": int(DataType.INT64)}}, "data types differ across ranks: ranks 0, 2: float32, rank 1: int64"),
+        ({2: {"reduce_op": AVERAGE}}, "reduce ops differ across ranks: ranks 0, 1: Sum, rank 2: Average"),
+        ({0: {"prescale": 2.0}}, "prescale factors differ across ranks: rank 0: 2.0, ranks 1, 2: 1.0"),
+        ({1: {"postscale": 0.5}}, "postscale factors differ across ranks"),
+        ({1: {"kind": RequestType.ALLGATHER}}, "operations differ across ranks: ranks 0, 2: allreduce, rank 1: allgather"),
+    ],
+)
+def test_mismatches_name_each_ranks_value(changes, message):
+    c = Coordinator(3, fusion_threshold=0)
+    for rank in range(3):
+        kw = {"shape": (4,)} | changes.get(rank, {})
+        kind = kw.pop("kind", RequestType.ALLREDUCE)
+        c.submit(req(rank, "allreduce.grad", kind=kind, **kw))
+    [(response, members)] = c.take()
+    assert response.type == ResponseType.ERROR
+    assert message in response.error
+    assert members == (0, 1, 2)
+
+
+def test_allgather_and_alltoall_rules():
+    c = Coordinator(2, fusion_threshold=0)
+    c.submit(req(0, "g", RequestType.ALLGATHER, shape=(3, 2)))
+    c.submit(req(1, "g", RequestType.ALLGATHER, shape=(5, 2)))
+    [(ok, _)] = c.take()
+    assert ok.type == ResponseType.ALLGATHER and ok.sizes == [3, 5]
+    c.submit(req(0, "h", RequestType.ALLGATHER, shape=(3, 2)))
+    c.submit(req(1, "h", RequestType.ALLGATHER, shape=(3, 4)))
+    [(bad, _)] = c.take()
+    assert "shapes beyond the first dimension differ across ranks: rank 0: (3, 2), rank 1: (3, 4)" in bad.error
+    c.submit(req(0, "t", RequestType.ALLTOALL, shape=(3,), splits=(1, 2)))
+    c.submit(req(1, "t", RequestType.ALLTOALL, shape=(4,), splits=(4, 0)))
+    [(a2a, _)] = c.take()
+    assert a2a.sizes == [1, 2, 4, 0]
+
+
+def test_broadcast_root_mismatch():
+    c = Coordinator(2, fusion_threshold=0)
+    c.submit(req(0, "b", RequestType.BROADCAST, root_rank=0))
+    c.submit(req(1, "b", RequestType.BROADCAST, root_rank=1))
+    [(bad, _)] = c.take()
+    assert "root ranks differ across ranks: rank 0: 0, rank 1: 1" in bad.error
+
+
+def test_fusion_respects_kind_and_threshold():
+    c = Coordinator(2, fusion_threshold=64)  # 16 float32s
+    for name in ("a", "b", "c", "d"):
+        for rank in range(2):
+            c.submit(req(rank, name, shape=(6,)))
+    for rank in range(2):
+        c.submit(req(rank, "other-dtype", shape=(2,), dtype=int(DataType.FLOAT64)))
+    fused = take(c)
+    assert [names for _, names, _ in fused] == [["a", "b"], ["c", "d"], ["other-dtype"]]
+
+
+def test_fuse_disabled_and_non_fusable():
+    responses = [
+        Response(ResponseType.ALLREDUCE, ["x"], dtype=F32, sizes=[1]),
+        Response(ResponseType.BROADCAST, ["y"], dtype=F32),
+        Response(ResponseType.ALLREDUCE, ["z"], dtype=F32, sizes=[1]),
+    ]
+    assert [r.names for r in fuse(responses, 0)] == [["x"], ["y"], ["z"]]
+    assert [r.names for r in fuse(responses, 1024)] == [["x", "z"], ["y"]]
+
+
+def test_groups_are_released_together():
+    c = Coordinator(2, fusion_threshold=1 << 20)
+    for rank in range(2):
+        c.submit(req(rank, "g_0of2", group="g", group_size=2))
+    assert take(c) == []
+    for rank in range(2):
+        c.submit(req(rank, "g_1of2", group="g", group_size=2))
+    assert [names for _, names, _ in take(c)] == [["g_0of2", "g_1of2"]]
+
+
+def test_join_lets_others_proceed_and_reports_last_rank():
+    c = Coordinator(3, fusion_threshold=0)
+    c.submit(req(0, "a"))
+    c.submit(Request(1, RequestType.JOIN, "join"))
+    c.submit(req(2, "a"))
+    assert take(c) == [(ResponseType.ALLREDUCE, ["a"], (0, 1, 2))]  # rank 1 contributes zeros
+    c.submit(req(0, "g", RequestType.ALLGATHER, shape=(1,)))
+    c.submit(req(2, "g", RequestType.ALLGATHER, shape=(1,)))
+    [(refused, _)] = c.take()
+    assert "rank(s) 1 have called join()" in refused.error
+    c.submit(Request(2, RequestType.JOIN, "join"))
+    c.submit(Request(0, RequestType.JOIN, "join"))
+    [(done, members)] = c.take()
+    assert done.type == ResponseType.JOIN and done.root_rank == 0 and members == (0, 1, 2)
+
+
+def test_process_sets_order_and_membership():
+    c = Coordinator(3, fusion_threshold=0)
+    for rank in range(3):
+        c.submit(Request(rank, RequestType.ADD_PROCESS_SET, "add.1", splits=(0, 2)))
+    [(added, members)] = c.take()
+    assert added.type == ResponseType.ADD_PROCESS_SET and added.root_rank == 1 and members == (0, 1, 2)
+    c.submit(req(0, "x", process_set_id=1))
+    c.submit(req(2, "x", process_set_id=1))
+    assert take(c) == [(ResponseType.ALLREDUCE, ["x"], (0, 2))]
+    c.submit(req(1, "y", process_set_id=1))  # not a member
+    [(error, members)] = c.take()
+    assert error.type == ResponseType.ERROR and members == (1,)
+    for rank in range(3):
+        c.submit(Request(rank, RequestType.ADD_PROCESS_SET, "add.2", splits=(0, 2)))
+    [(dup, _)] = c.take()
+    assert "duplicate process set" in dup.error
+
+
+def test_stalls_name_missing_ranks():
+    now = [100.0]
+    c = Coordinator(3, fusion_threshold=0, clock=lambda: now[0])
+    c.submit(req(0, "a"))
+    c.submit(req(2, "a"))
+    now[0] = 200.0
+    [stall] = c.stalls(60)
+    assert stall.name == "a" and stall.missing == [1] and stall.waited == 100.0
+    assert c.stalls(101) == []
