@@ -68,6 +68,7 @@ def run_ranks(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
     check: bool = True,
+    during: Callable[[RendezvousServer], None] | None = None,
 ) -> list[Any] | list[RankResult]:
     """Runs ``fn(*args)`` on ``size`` ranks.
 
@@ -75,6 +76,8 @@ def run_ranks(
         With ``check``: each rank's return value, by rank (raising JobFailed, with
         every rank's output, when a rank fails or the timeout passes). Without:
         a RankResult per rank.
+
+    ``during(server)``, when given, runs in the test process while the ranks run.
     """
     secret = auth.new_secret()
     server = RendezvousServer(secret).start()
@@ -93,6 +96,8 @@ def run_ranks(
                     start_new_session=True,
                 )
             )
+        if during is not None:
+            during(server)
         deadline = time.monotonic() + timeout
         results = []
         timed_out = False

@@ -122,7 +122,13 @@ def _forget_runtime() -> None:
 
 
 def shutdown() -> None:
-    """Stops hora on this rank, which ends the job for every rank (as in Horovod)."""
+    """Stops hora on this rank; registered to run at exit.
+
+    Collectives that need this rank then fail on the others with ``HoraInternalError``
+    naming it; collectives among the remaining ranks go on (Horovod instead shuts the
+    whole job down). On rank 0, which coordinates the job, this returns once every
+    other rank has shut down too.
+    """
     with _context.lock:
         runtime = _context.runtime
         if runtime is None:
@@ -337,15 +343,17 @@ def broadcast_object(
         The root's object, on every rank.
     """
     runtime = current()
-    base = name or type(obj).__name__
+    # Unnamed calls are numbered per set, so ranks holding objects of different types
+    # (root: a dict, others: None) still agree on the name.
+    base = ops.full_name(runtime, "broadcast_object", name, process_set)
     is_root = process_set.rank() == root_rank
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if is_root else np.empty(0, np.uint8)
     length = np.array([payload.size], dtype=np.int64)
     ops.broadcast(
-        runtime, ops.from_numpy(length), length, root_rank, f"broadcast.{base}.sz", process_set
+        runtime, ops.from_numpy(length), length, root_rank, f"{base}.sz", process_set
     ).wait()
     data = payload.copy() if is_root else np.empty(int(length[0]), dtype=np.uint8)
-    ops.broadcast(runtime, ops.from_numpy(data), data, root_rank, f"broadcast.{base}.t", process_set).wait()
+    ops.broadcast(runtime, ops.from_numpy(data), data, root_rank, f"{base}.t", process_set).wait()
     return obj if is_root else cloudpickle.loads(data.tobytes())
 
 
@@ -356,12 +364,11 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         The objects, in rank order, on every rank.
     """
     runtime = current()
-    base = name or type(obj).__name__
+    base = ops.full_name(runtime, "allgather_object", name, process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8).copy()
-    lengths = ops.allgather(
-        runtime, ops.from_numpy(np.array([payload.size], dtype=np.int64)), f"allgather.{base}.sz", process_set
-    ).wait()
-    data = ops.allgather(runtime, ops.from_numpy(payload), f"allgather.{base}.t", process_set).wait()
+    size = np.array([payload.size], dtype=np.int64)
+    lengths = ops.allgather(runtime, ops.from_numpy(size), f"{base}.sz", process_set).wait()
+    data = ops.allgather(runtime, ops.from_numpy(payload), f"{base}.t", process_set).wait()
     out = []
     offset = 0
     for length in lengths.reshape(-1):

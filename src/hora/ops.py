@@ -7,9 +7,12 @@ raising ``ValueError`` at once, then queue the tensor and return its ``Handle``.
 What can only be checked across ranks is checked by the coordinator and raised from
 ``synchronize``.
 
-Names: an unnamed tensor is called ``<op>.noname.<handle id>``, a named one
-``<op>.<name>``, as Horovod names them, so ranks that submit in the same order agree
-on names without coordination.
+Names: a named tensor is called ``<op>.<name>``, as in Horovod. An unnamed one is
+called ``<op>.noname.<set id>.<n>``: the n-th unnamed ``<op>`` this rank submitted in
+that process set. Ranks that submit their unnamed collectives of each set in the same
+order therefore agree on names without coordination, even when they run different
+numbers of other operations (Horovod numbers them by handle, which breaks as soon as
+ranks of different process sets do different amounts of work).
 """
 
 from __future__ import annotations
@@ -65,9 +68,12 @@ def from_numpy(array: np.ndarray, *, writable: bool = False) -> Tensor:
     return Tensor(storage, tuple(int(d) for d in array.shape), dtype)
 
 
-def full_name(op: str, name: str | None, handle_id: int) -> str:
-    """Horovod's naming: ``<op>.<name>``, or ``<op>.noname.<handle id>``."""
-    return f"{op}.noname.{handle_id}" if name is None else f"{op}.{name}"
+def full_name(runtime: Runtime, op: str, name: str | None, process_set: ProcessSet) -> str:
+    """Returns ``<op>.<name>``, or ``<op>.noname.<set id>.<n>`` for an unnamed tensor."""
+    if name is not None:
+        return f"{op}.{name}"
+    set_id_ = process_set.process_set_id or 0
+    return f"{op}.noname.{set_id_}.{runtime.count_unnamed(op, set_id_)}"
 
 
 def set_id(runtime: Runtime, process_set: ProcessSet, what: str) -> int:

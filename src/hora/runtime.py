@@ -54,6 +54,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._handles: dict[int, tuple[Handle | list[Handle], Finish]] = {}
+        self._unnamed: dict[tuple[str, int], int] = {}
 
     @property
     def rank(self) -> int:
@@ -64,9 +65,16 @@ class Runtime:
         return self.topology.size
 
     def next_id(self) -> int:
-        """Reserves the next handle id (Horovod names unnamed tensors after it)."""
+        """Reserves the next handle id."""
         with self._lock:
             return next(self._ids)
+
+    def count_unnamed(self, op: str, set_id: int) -> int:
+        """Numbers the unnamed ``op`` collectives this rank submits in one process set."""
+        with self._lock:
+            count = self._unnamed.get((op, set_id), 0) + 1
+            self._unnamed[(op, set_id)] = count
+            return count
 
     def submit(
         self,
@@ -161,7 +169,10 @@ class Runtime:
             )
 
     def shutdown(self) -> None:
-        """Stops the engine and closes every connection; outstanding handles fail."""
+        """Leaves the job: this rank's unfinished collectives fail, the others go on.
+
+        On rank 0 this returns once every rank has left (rank 0 coordinates them).
+        """
         if os.getpid() == self.pid:
             self.engine.stop()
 

@@ -62,6 +62,7 @@ class Coordinator:
         self._groups: dict[tuple[int, str], list[Response]] = {}
         self._ready: list[tuple[Response, tuple[int, ...]]] = []
         self._joined: set[int] = set()
+        self._departed: set[int] = set()  # ranks that shut down; collectives needing them fail
         self._last_joined = -1
         self._next_set_id = 1
 
@@ -73,9 +74,13 @@ class Coordinator:
         members = self.sets.get(request.process_set_id)
         if members is None or request.rank not in members:
             # The rank checked this locally; a race with remove_process_set can still land here.
-            error = f"{request.type.label} '{request.name}': process set {request.process_set_id} does not exist"
+            error = f"{request.label}: process set {request.process_set_id} does not exist"
             error += "" if members is None else f" or does not include rank {request.rank}"
             self._emit(Response(ResponseType.ERROR, [request.name], request.process_set_id, error=error), (request.rank,))
+            return
+        gone = self._departed.intersection(members)
+        if gone:
+            self._emit(_aborted(request.label, request.name, request.process_set_id, gone), (request.rank,))
             return
         key = (request.process_set_id, request.name)
         pending = self._pending.get(key)
@@ -83,6 +88,18 @@ class Coordinator:
             pending = self._pending[key] = _Pending({}, self._clock())
         pending.requests[request.rank] = request
         self._check_ready(key, pending, members)
+
+    def depart(self, rank: int) -> None:
+        """Records that ``rank`` shut down: collectives that need it fail, others go on."""
+        self._departed.add(rank)
+        self._joined.discard(rank)
+        for key, pending in list(self._pending.items()):
+            members = self.sets.get(key[0]) or ()
+            if rank in members:
+                del self._pending[key]
+                request = next(iter(pending.requests.values()))
+                waiting = tuple(r for r in sorted(pending.requests) if r == rank or r not in self._departed)
+                self._emit(_aborted(request.label, key[1], key[0], {rank}), waiting)
 
     def take(self) -> list[tuple[Response, tuple[int, ...]]]:
         """Returns the responses ready now, fused, each with the global ranks to send it to."""
@@ -114,7 +131,7 @@ class Coordinator:
     def _join(self, rank: int) -> None:
         self._joined.add(rank)
         self._last_joined = rank
-        if len(self._joined) == self.size:
+        if len(self._joined) == self.size - len(self._departed):
             self._joined.clear()
             response = Response(ResponseType.JOIN, ["join"], GLOBAL, root_rank=self._last_joined)
             self._emit(response, self.sets.ranks(GLOBAL))
@@ -174,7 +191,17 @@ class Coordinator:
         for key in [key for key in self._pending if key[0] == set_id]:
             pending = self._pending.pop(key)
             request = next(iter(pending.requests.values()))
-            error = f"{request.type.label} '{key[1]}': process set {set_id} was removed before every rank submitted it"
+            error = f"{request.label}: process set {set_id} was removed before every rank submitted it"
             self._emit(Response(ResponseType.ERROR, [key[1]], set_id, error=error), members)
         self.sets.remove(set_id)
         return response
+
+
+def _aborted(label: str, name: str, set_id: int, gone: set[int]) -> Response:
+    ranks = ", ".join(map(str, sorted(gone)))
+    return Response(
+        ResponseType.ABORTED,
+        [name],
+        set_id,
+        error=f"{label} cannot run: rank {ranks} of its process set has shut down",
+    )

@@ -16,9 +16,13 @@ pending and later operation fails with ``HoraInternalError`` naming the lost ran
 Rank 0 tells every worker (ABORT); a worker that sees a peer fail first reports it to
 rank 0 (FAILURE) and waits briefly for rank 0's ABORT so it reports the root cause.
 
-Shutdown: when any rank shuts down, the job is over (as in Horovod). The rank tells
-rank 0 (SHUTDOWN); rank 0 tells the others; each worker closes its control link
-only after rank 0 closed its end, so no frame is lost to a reset.
+Shutdown: a rank that calls ``shutdown()`` leaves; only collectives that need it fail
+(``HoraInternalError`` naming it), and the others go on. (Horovod ends the whole job
+instead, the cause of its "Horovod has been shut down" errors.) A worker tells rank 0
+(SHUTDOWN), executes the responses rank 0 sent before it read that, and closes once
+rank 0 has closed its end, so no frame is lost to a reset. Rank 0 coordinates the
+others, so its engine keeps running after its own ``shutdown()`` until every worker
+has left.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from hora.transport.tcp import Link, LinkClosed, Watch, encode_frame
 
 log = logging.getLogger("hora")
 
-SHUTDOWN_WAIT = 10.0  # seconds to wait for peers to acknowledge a shutdown
 ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of the failure
+LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
 
 
 class _JobFailed(Exception):
@@ -83,9 +87,10 @@ class Engine:
         for link in self._links.values():
             self._poller.register(link.fileno(), select.POLLIN)
         self._stop_requested = False
+        self._leaving_since: float | None = None  # set once this rank began to leave
+        self._lingering_noted = False
         self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
-        self._job_over: str | None = None  # why the job shut down, once it has
-        self.failure: str | None = None  # why the job failed, once it has
+        self.failure: str | None = None  # why the job failed on this rank, once it has
         self._thread = threading.Thread(target=self._run, name=f"hora-engine-{self.rank}", daemon=True)
 
     # ----- called from user threads -----
@@ -97,20 +102,21 @@ class Engine:
         """Queues a tensor for negotiation (see ``TensorQueue.add`` for errors)."""
         self.queue.add(entry)
 
-    def stop(self, timeout: float = SHUTDOWN_WAIT + 5.0) -> None:
-        """Shuts this rank down (which ends the job) and waits for the thread to finish."""
+    def stop(self) -> None:
+        """Makes this rank leave the job and waits until its engine has finished.
+
+        On rank 0 this returns once every other rank has left too, since they need
+        rank 0 to coordinate their remaining collectives.
+        """
         self._stop_requested = True
         self._wake()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def is_running(self) -> bool:
-        return self._thread.is_alive()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
+        except OSError:
             pass  # a wake-up is already pending, or the engine has closed
 
     # ----- the engine thread -----
@@ -132,9 +138,11 @@ class Engine:
         while True:
             self._wait()
             self._read_control()
-            if self._job_over is not None or self._stop_requested:
-                self._finish()
-                return
+            if self._stop_requested and self._leaving_since is None:
+                self._begin_leaving()
+                if self._coordinator is None:
+                    self._leave()
+                    return
             new = self.queue.drain()
             if new and self._config.cycle_time_ms > 0:
                 time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
@@ -143,17 +151,27 @@ class Engine:
                 self._announce([entry.request for entry in new])
             if self._coordinator is not None:
                 self._distribute(self._coordinator.take())
-            while self._responses and self._job_over is None:
+            while self._responses:
                 self._executor.run(self._responses.popleft())
             if self._stall is not None and self._coordinator is not None:
                 self._stall.check(self._coordinator)
+            if self._leaving_since is not None and not self._links and not self._responses:
+                return  # rank 0: every worker has left
 
     def _wait(self) -> None:
         busy = self._responses or any(link.frames or link.closed_by_peer for link in self._links.values())
         timeout_ms: float | None = 0 if busy else None
         if not busy and self._stall is not None and self._coordinator is not None:
             seconds = self._stall.seconds_to_next_check(self._coordinator)
-            timeout_ms = None if seconds is None else max(0.0, seconds * 1000.0)
+            timeout_ms = None if seconds is None else seconds * 1000.0
+        if not busy and self._leaving_since is not None and not self._lingering_noted:
+            notice = self._leaving_since + LINGER_NOTICE - time.monotonic()
+            if notice > 0:
+                timeout_ms = notice * 1000.0 if timeout_ms is None else min(timeout_ms, notice * 1000.0)
+            else:
+                self._lingering_noted = True
+                waiting = ", ".join(map(str, sorted(self._links)))
+                log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
         for fd, _ in self._poller.poll(timeout_ms):
             if fd == self._wake_r.fileno():
                 self._drain_wake()
@@ -168,44 +186,37 @@ class Engine:
         try:
             while self._wake_r.recv(4096):
                 pass
-        except (BlockingIOError, OSError):
-            pass
+        except OSError:
+            pass  # drained: nothing more to read
 
     def _read_control(self) -> None:
         for peer, link in list(self._links.items()):
-            while link.frames:
+            while link.frames and peer in self._links:
                 kind, payload = link.frames.popleft()
                 self._on_frame(link, kind, payload)
             if link.closed_by_peer and peer in self._links:
-                self._on_closed(link)
+                if peer not in self._farewells:
+                    raise _JobFailed(self._lost(link, link.close_detail))
+                self._drop(link)
 
     def _on_frame(self, link: Link, kind: int, payload: bytes) -> None:
-        if kind == messages.ABORT or kind == messages.FAILURE:
+        if kind in (messages.ABORT, messages.FAILURE):
             raise _JobFailed(messages.decode_reason(payload))
-        if kind == messages.SHUTDOWN:
-            self._on_shutdown(link, messages.decode_reason(payload))
-        elif kind == messages.REQUESTS and self._coordinator is not None:
+        if self._coordinator is not None and kind == messages.SHUTDOWN:
+            self._farewells.add(link.peer)
+            # Responses already decided still reach the leaving rank, which runs them.
+            self._distribute(self._coordinator.take())
+            self._coordinator.depart(link.peer)
+            self._drop(link)  # closing our end tells the worker it may go
+        elif self._coordinator is not None and kind == messages.REQUESTS:
             for request in messages.decode_requests(payload):
                 if request.rank != link.peer:
                     raise ProtocolError(f"rank {link.peer} sent a request in the name of rank {request.rank}")
                 self._coordinator.submit(request)
-        elif kind == messages.RESPONSES and self._coordinator is None:
+        elif self._coordinator is None and kind == messages.RESPONSES:
             self._responses.extend(messages.decode_responses(payload))
         else:
             raise ProtocolError(f"rank {link.peer} sent an unexpected control frame (kind {kind})")
-
-    def _on_closed(self, link: Link) -> None:
-        if link.peer in self._farewells:
-            self._drop(link)
-            return
-        raise _JobFailed(self._lost(link, link.close_detail))
-
-    def _on_shutdown(self, link: Link, reason: str) -> None:
-        self._farewells.add(link.peer)
-        if self._coordinator is not None:
-            self._drop(link)  # closing our end is the worker's acknowledgement
-        if self._job_over is None:
-            self._job_over = reason
 
     def _check_urgent(self, link: Link) -> None:
         """Runs while a collective waits: an abort or an unexpected hang-up ends it."""
@@ -247,57 +258,53 @@ class Engine:
         return f"rank {link.peer}{role} on host {link.peer_host} was lost: {detail}"
 
     def _drop(self, link: Link) -> None:
-        """Forgets a control link whose peer is done, and closes it."""
+        """Forgets a control link whose peer has left, and closes it."""
         self._links.pop(link.peer, None)
         self._watch.links.pop(link.fileno(), None)
         try:
             self._poller.unregister(link.fileno())
         except (KeyError, ValueError):
-            pass
+            pass  # already unregistered when the peer hung up
         link.close()
 
     # ----- endings -----
 
-    def _finish(self) -> None:
-        """Ends the job in order: the job is over (another rank shut down) or we stop."""
-        reason = self._job_over or f"rank {self.rank} called shutdown()"
-        self._job_over = reason
-        self.queue.close(internal_error(f"hora has shut down ({reason})"))
-        farewell = messages.encode_reason(reason)
-        deadline = time.monotonic() + SHUTDOWN_WAIT
+    def _begin_leaving(self) -> None:
+        """Refuses new work from this rank's threads; work already submitted goes on."""
+        self._leaving_since = time.monotonic()
+        self.queue.seal(internal_error(f"hora has shut down on rank {self.rank}"))
         if self._coordinator is not None:
-            for link in list(self._links.values()):
-                self._send_quietly(link, messages.SHUTDOWN, farewell)
-            # Wait until every worker has said goodbye (or gone), closing each link as it does.
-            while self._links and time.monotonic() < deadline:
-                self._pump_links(deadline)
-                for link in list(self._links.values()):
-                    if any(kind == messages.SHUTDOWN for kind, _ in link.frames) or link.closed_by_peer:
-                        self._drop(link)
-        elif 0 in self._links:
-            link = self._links[0]
-            self._send_quietly(link, messages.SHUTDOWN, farewell)
-            try:
-                link.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            while not link.closed_by_peer and time.monotonic() < deadline:
-                self._pump_links(deadline)
-                link.frames.clear()
+            for entry in self.queue.drain():
+                self._coordinator.submit(entry.request)
+            self._coordinator.depart(self.rank)
 
-    def _pump_links(self, deadline: float) -> None:
-        timeout_ms = max(0.0, (deadline - time.monotonic()) * 1000.0)
-        for fd, _ in self._poller.poll(timeout_ms):
-            for link in list(self._links.values()):
-                if link.fileno() == fd and not link.closed_by_peer:
-                    try:
-                        link.pump()
-                    except ProtocolError:
-                        link.closed_by_peer = True
-                    if link.closed_by_peer:
-                        self._poller.unregister(fd)
-            if fd == self._wake_r.fileno():
-                self._drain_wake()
+    def _leave(self) -> None:
+        """A worker's goodbye: tell rank 0, run what it already decided, wait for its close."""
+        control = self._links.get(0)
+        if control is None:
+            return
+        self._farewells.add(0)  # rank 0 closes its end once it has read our goodbye
+        control.send_frame(
+            messages.SHUTDOWN, messages.encode_reason(f"rank {self.rank} called shutdown()"), self._watch
+        )
+        try:
+            control.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # rank 0 already closed: nothing left to say
+        poller = select.poll()
+        poller.register(control.fileno(), select.POLLIN)
+        while True:
+            while control.frames:
+                kind, payload = control.frames.popleft()
+                if kind in (messages.ABORT, messages.FAILURE):
+                    raise _JobFailed(messages.decode_reason(payload))
+                if kind == messages.RESPONSES:
+                    for response in messages.decode_responses(payload):
+                        self._executor.run(response)
+            if control.closed_by_peer:
+                return
+            poller.poll()
+            control.pump()
 
     def _fail(self, reason: str) -> None:
         """Fails the job on this rank, telling the others, and settles on the root cause."""
@@ -315,30 +322,31 @@ class Engine:
     def _await_abort(self, control: Link, reason: str) -> str:
         """Waits briefly for rank 0's ABORT, whose reason names the root cause."""
         deadline = time.monotonic() + ROOT_CAUSE_WAIT
-        while time.monotonic() < deadline:
+        poller = select.poll()
+        poller.register(control.fileno(), select.POLLIN)
+        while True:
             for kind, payload in control.frames:
                 if kind == messages.ABORT:
                     return messages.decode_reason(payload)
-            if control.closed_by_peer:
+            remaining = deadline - time.monotonic()
+            if control.closed_by_peer or remaining <= 0:
                 return reason
-            try:
-                self._pump_links(deadline)
-            except OSError:
-                return reason
-        return reason
+            if poller.poll(remaining * 1000.0):
+                try:
+                    control.pump()
+                except ProtocolError:
+                    return reason
 
     def _send_quietly(self, link: Link, kind: int, payload: bytes) -> None:
         """Sends a small frame if the socket takes it now; a dead peer is not an error here."""
         try:
             link.sock.send(encode_frame(kind, payload))
         except OSError:
-            pass
+            pass  # the peer is gone or its buffer is full: it learns from the closed link
 
     def _close(self) -> None:
-        self.queue.close(internal_error(self.failure or f"hora has shut down ({self._job_over})"))
+        self.queue.close(internal_error(self.failure or f"hora has shut down on rank {self.rank}"))
         if self._mesh is not None:
             self._mesh.close()
         self._wake_r.close()
         self._wake_w.close()
-
-

@@ -21,7 +21,7 @@ from hora.collectives.reduce import DataType, reducer, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue
-from hora.errors import CollectiveMismatchError
+from hora.errors import CollectiveMismatchError, HoraInternalError
 
 
 class Executor:
@@ -55,11 +55,12 @@ class Executor:
             HoraInternalError: a peer was lost mid-collective (the job fails).
         """
         kind = response.type
-        if kind == ResponseType.ERROR:
+        if kind in (ResponseType.ERROR, ResponseType.ABORTED):
+            error_type = CollectiveMismatchError if kind == ResponseType.ERROR else HoraInternalError
             for name in response.names:
                 entry = self.queue.pop(response.process_set_id, name)
                 if entry is not None:
-                    entry.handle.fail(CollectiveMismatchError(response.error))
+                    entry.handle.fail(error_type(response.error))
             return
         if kind == ResponseType.JOIN:
             self._complete(response, "join", response.root_rank)

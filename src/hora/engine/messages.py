@@ -55,6 +55,7 @@ class ResponseType(enum.IntEnum):
     ERROR = 8
     ADD_PROCESS_SET = 20
     REMOVE_PROCESS_SET = 21
+    ABORTED = 30  # cannot run: a member of its process set has shut down
 
 
 @dataclasses.dataclass

@@ -84,6 +84,12 @@ class TensorQueue:
             self._new.append(entry)
         self._wake()
 
+    def seal(self, error_for: Callable[[Entry], BaseException]) -> None:
+        """Refuses later ``add`` calls with ``error_for(entry)``; entries in flight stay."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = error_for
+
     def drain(self) -> list[Entry]:
         """Returns the entries added since the last drain, in submission order."""
         with self._lock:
@@ -96,7 +102,10 @@ class TensorQueue:
             return self._entries.pop((set_id, name), None)
 
     def close(self, error_for: Callable[[Entry], BaseException]) -> None:
-        """Fails every entry in flight and every later ``add`` with ``error_for(entry)``."""
+        """Fails every entry in flight and every later ``add`` with ``error_for(entry)``.
+
+        A reason given earlier (by ``seal`` or ``close``) stays the one later adds see.
+        """
         with self._lock:
             if self._closed is None:
                 self._closed = error_for

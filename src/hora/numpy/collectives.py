@@ -57,7 +57,7 @@ def _allreduce_async(
     handle_id = runtime.next_id()
     tensor_ = ops.from_numpy(tensor, writable=inplace)
     output = tensor_.data if inplace else np.empty_like(tensor_.data)
-    full = ops.full_name("allreduce", name, handle_id)
+    full = ops.full_name(runtime, "allreduce", name, process_set)
     handle = ops.allreduce(runtime, tensor_, output, full, op, prescale_factor, postscale_factor, process_set)
     restore = _restore(tensor.dtype)
     return runtime.register(handle_id, handle, (lambda _: tensor) if inplace else restore)
@@ -148,7 +148,7 @@ def _grouped_allreduce_async(
     runtime = current()
     op = ops.resolve_op(op, average)
     handle_id = runtime.next_id()
-    base = ops.full_name("grouped_allreduce", name, handle_id)
+    base = ops.full_name(runtime, "grouped_allreduce", name, process_set)
     names = _group_names(base, len(tensors))
     handles, finishers = [], []
     for tensor, full in zip(tensors, names):
@@ -230,7 +230,7 @@ def allgather_async(tensor: np.ndarray, name: str | None = None, process_set: Pr
     """Starts concatenating every rank's ``tensor`` along dimension 0 (whose size may differ by rank)."""
     runtime = current()
     handle_id = runtime.next_id()
-    handle = ops.allgather(runtime, ops.from_numpy(tensor), ops.full_name("allgather", name, handle_id), process_set)
+    handle = ops.allgather(runtime, ops.from_numpy(tensor), ops.full_name(runtime, "allgather", name, process_set), process_set)
     return runtime.register(handle_id, handle, _restore(tensor.dtype))
 
 
@@ -245,7 +245,7 @@ def grouped_allgather_async(
     """Starts an allgather of each tensor, negotiated as one group."""
     runtime = current()
     handle_id = runtime.next_id()
-    base = ops.full_name("grouped_allgather", name, handle_id)
+    base = ops.full_name(runtime, "grouped_allgather", name, process_set)
     handles = [
         ops.allgather(runtime, ops.from_numpy(t), full, process_set, group=(base, len(tensors)))
         for t, full in zip(tensors, _group_names(base, len(tensors)))
@@ -272,7 +272,7 @@ def _broadcast_async(
     tensor_ = ops.from_numpy(tensor, writable=inplace)
     output = tensor_.data if inplace else np.empty_like(tensor_.data)
     handle = ops.broadcast(
-        runtime, tensor_, output, root_rank, ops.full_name("broadcast", name, handle_id), process_set
+        runtime, tensor_, output, root_rank, ops.full_name(runtime, "broadcast", name, process_set), process_set
     )
     return runtime.register(handle_id, handle, (lambda _: tensor) if inplace else _restore(tensor.dtype))
 
@@ -322,7 +322,7 @@ def alltoall_async(
     """
     runtime = current()
     handle_id = runtime.next_id()
-    handle = ops.alltoall(runtime, ops.from_numpy(tensor), splits, ops.full_name("alltoall", name, handle_id), process_set)
+    handle = ops.alltoall(runtime, ops.from_numpy(tensor), splits, ops.full_name(runtime, "alltoall", name, process_set), process_set)
     restore = _restore(tensor.dtype)
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
@@ -365,7 +365,7 @@ def reducescatter_async(
     runtime = current()
     handle_id = runtime.next_id()
     handle = ops.reducescatter(
-        runtime, ops.from_numpy(tensor), ops.full_name("reducescatter", name, handle_id), op,
+        runtime, ops.from_numpy(tensor), ops.full_name(runtime, "reducescatter", name, process_set), op,
         prescale_factor, postscale_factor, process_set,
     )  # fmt: skip
     return runtime.register(handle_id, handle, _restore(tensor.dtype))
@@ -397,7 +397,7 @@ def grouped_reducescatter_async(
     """Starts a reducescatter of each tensor, negotiated as one group."""
     runtime = current()
     handle_id = runtime.next_id()
-    base = ops.full_name("grouped_reducescatter", name, handle_id)
+    base = ops.full_name(runtime, "grouped_reducescatter", name, process_set)
     handles = [
         ops.reducescatter(
             runtime, ops.from_numpy(t), full, op, prescale_factor, postscale_factor, process_set,

@@ -9,7 +9,9 @@
 
 The job ends when every rank exited 0, or at the first of: a rank exits non-zero or
 by a signal (the root cause), ``horarun`` receives a signal, the timeout passes.
-Then every rank's process group gets SIGTERM; ranks still running after
+After a failure the other ranks get ``SETTLE_PERIOD`` to fail by themselves (so their
+own errors, which name the lost rank, reach the user). Then every rank's process
+group gets SIGTERM; ranks still running after
 ``GRACE_PERIOD`` seconds (or at once, on a second signal) get SIGKILL, and the job
 waits until every rank is reaped. No rank outlives ``Job.run``.
 
@@ -36,6 +38,9 @@ from hora.runner.workers import Event, Worker, signal_name
 from hora.transport import auth
 
 GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL
+# After the first failure, seconds the other ranks get to fail by themselves first: a hora
+# rank raises within milliseconds of losing a peer, and its own error names the cause.
+SETTLE_PERIOD = 1.0
 RENDEZVOUS_HOST = "127.0.0.1"  # every rank runs on this machine for now
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.1  # seconds; a signal delivered to another thread does not wake a blocked get
@@ -243,8 +248,30 @@ class Job:
                 self._stderr.line(f"horarun: received {signal_name(value)}: stopping every rank")
                 return value, False
             if self._workers[value].returncode != 0:
-                return None, False
+                return self._settle(deadline), False
         return None, False
+
+    def _settle(self, deadline: float | None) -> int | None:
+        """Gives the other ranks ``SETTLE_PERIOD`` to exit by themselves after a failure.
+
+        Returns:
+            The signal that interrupted the wait, or None.
+        """
+        end = time.monotonic() + SETTLE_PERIOD
+        if deadline is not None:
+            end = min(end, deadline)
+        while any(worker.running for worker in self._workers):
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                kind, value = self._events.get(timeout=min(_POLL, remaining))
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                self._stderr.line(f"horarun: received {signal_name(value)}: stopping every rank")
+                return value
+        return None
 
     def _stop_all(self) -> None:
         """SIGTERM to every rank's group; SIGKILL after the grace period; reap all."""

@@ -1,0 +1,215 @@
+"""The engine under real use: threads, any submission order, fusion, join, lifecycle, idle CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+
+
+def threads_job() -> list[str]:
+    import random
+    import threading
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    names = [f"t{t}-{i}" for t in range(4) for i in range(25)]
+    random.Random(me).shuffle(names)  # every rank submits in a different order
+    chunks = [names[i::4] for i in range(4)]
+
+    def worker(chunk: list[str]) -> None:
+        handles = []
+        for name in chunk:
+            value = float(sum(map(ord, name)))
+            handles.append((name, value, hvd.allreduce_async(np.full(7, value * (me + 1)), name=name, op=hvd.Sum)))
+        for name, value, handle in reversed(handles):  # waited in yet another order
+            got = hvd.synchronize(handle)
+            if not np.array_equal(got, np.full(7, value * n * (n + 1) / 2)):
+                problems.append(f"{name}: {got[:2]}")
+
+    threads = [threading.Thread(target=worker, args=(chunk,)) for chunk in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(120)
+def test_threads_and_any_submission_order(size):
+    assert run_ranks(size, threads_job) == [[]] * size
+
+
+def many_small_job() -> list[np.ndarray]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    values = np.random.default_rng(me)
+    sizes = np.random.default_rng(0).integers(1, 40, size=300)  # the same on every rank
+    dtypes = [np.float32, np.float64, np.int32, np.float16]
+    tensors = [values.integers(-8, 8, size=sizes[i]).astype(dtypes[i % 4]) for i in range(300)]
+    handles = [hvd.allreduce_async(t, name=f"small{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+    results = [hvd.synchronize(h) for h in handles]
+    grouped = hvd.grouped_allreduce(tensors[:50], name="grouped", op=hvd.Sum)
+    hvd.shutdown()
+    return results + grouped
+
+
+@pytest.mark.timeout(120)
+def test_fusion_gives_the_same_results_as_no_fusion():
+    fused = run_ranks(3, many_small_job)
+    unfused = run_ranks(3, many_small_job, env={"HORA_FUSION_THRESHOLD": "0"})
+    tiny = run_ranks(3, many_small_job, env={"HORA_FUSION_THRESHOLD": "64"})
+    for rank in range(3):
+        for a, b, c in zip(fused[rank], unfused[rank], tiny[rank]):
+            assert a.dtype == b.dtype == c.dtype and np.array_equal(a, b) and np.array_equal(a, c)
+    # and they are right: every rank agrees, and the sums are exact for these small integers
+    for a, b in zip(fused[0], fused[2]):
+        assert np.array_equal(a, b)
+
+
+def join_job() -> dict:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    averages = []
+    for step in range(me + 2):  # rank r has r + 2 batches: uneven work
+        averages.append(hvd.allreduce(np.full(3, float(me + 1)), name=f"step{step}").tolist())
+    last = hvd.join()
+    after = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after").tolist()  # usable after everyone joined
+    hvd.shutdown()
+    return {"averages": averages, "last": last, "after": after}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(90)
+def test_join_with_uneven_work(size):
+    results = run_ranks(size, join_job)
+    for rank, result in enumerate(results):
+        assert result["last"] == size - 1
+        assert result["after"] == [float(size)] * 2
+        for step, avg in enumerate(result["averages"]):
+            # ranks with fewer than step + 2 batches have joined and contribute zeros;
+            # Average still divides by the full size, as in Horovod.
+            active = [r for r in range(size) if r + 2 > step]
+            assert avg == pytest.approx([sum(r + 1 for r in active) / size] * 3), (rank, step)
+
+
+def join_refuses_other_ops_job() -> str:
+    import hora.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        hvd.join()
+        return "joined"
+    try:
+        hvd.allgather(np.ones(1), name="gather")
+        message = "no error"
+    except hvd.CollectiveMismatchError as exc:
+        message = str(exc)
+    hvd.join()
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_join_refuses_everything_but_allreduce():
+    results = run_ranks(2, join_refuses_other_ops_job)
+    assert "rank(s) 0 have called join(); only allreduce may run" in results[1]
+
+
+def cycles_job() -> list[float]:
+    import hora.numpy as hvd
+
+    out = []
+    for cycle in range(3):
+        hvd.init()
+        hvd.init()  # idempotent
+        out.append(float(hvd.allreduce(np.array([cycle + 1.0]), op=hvd.Sum, name="x")[0]))
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.timeout(90)
+def test_init_shutdown_cycles(size):
+    assert run_ranks(size, cycles_job) == [[size * 1.0, size * 2.0, size * 3.0]] * size
+
+
+def idle_cpu_job() -> float | None:
+    import resource
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(4)
+        hvd.allreduce(np.ones(1), name="late")
+        hvd.shutdown()
+        return None
+    handle = hvd.allreduce_async(np.ones(1), name="late")
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    hvd.synchronize(handle)  # blocks about 4 s waiting for rank 1
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    hvd.shutdown()
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_rank_burns_no_cpu():
+    cpu_seconds = run_ranks(2, idle_cpu_job)[0]
+    # A spinning waiter would burn about 4 s; blocking on events costs milliseconds.
+    assert cpu_seconds < 0.5, cpu_seconds
+
+
+def shutdown_by_one_job(leaver: int) -> dict:
+    import time
+
+    import hora.numpy as hvd
+
+    others = hvd.ProcessSet([r for r in range(4) if r != leaver])
+    hvd.init(process_sets=[others])
+    out: dict = {"together": hvd.allreduce(np.ones(1), op=hvd.Sum, name="together").tolist()}
+    if hvd.rank() == leaver:
+        time.sleep(0.3)
+        hvd.shutdown()
+        out["left"] = True
+        return out
+    pending = hvd.allreduce_async(np.ones(1), name="pending")  # the leaver never submits this
+    try:
+        hvd.synchronize(pending)
+        out["pending"] = "no error"
+    except hvd.HoraInternalError as exc:
+        out["pending"] = str(exc)
+    try:
+        hvd.allreduce(np.ones(1), name="later")
+        out["later"] = "no error"
+    except hvd.HoraInternalError as exc:
+        out["later"] = str(exc)
+    # Collectives that do not need the rank that left go on.
+    out["others"] = [hvd.allreduce(np.ones(1), op=hvd.Sum, name=f"o{i}", process_set=others).tolist() for i in range(3)]
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("leaver", [1, 0])
+@pytest.mark.timeout(60)
+def test_a_rank_that_shuts_down_leaves_and_the_others_go_on(leaver):
+    results = run_ranks(4, shutdown_by_one_job, leaver)
+    for rank, out in enumerate(results):
+        assert out["together"] == [4.0]
+        if rank == leaver:
+            assert out["left"]
+            continue
+        for key in ("pending", "later"):
+            assert f"rank {leaver} of its process set has shut down" in out[key], out[key]
+        assert out["others"] == [[3.0]] * 3

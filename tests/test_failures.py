@@ -1,0 +1,209 @@
+"""Errors across ranks: every mismatch kind raises on every rank, the job goes on;
+a killed rank makes every other rank raise; duplicate names; stalls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness import TESTS, run_ranks
+
+
+def mismatch_job() -> list[tuple[str, str, str]]:
+    import hora.numpy as hvd
+    from hora.errors import CollectiveMismatchError
+
+    hvd.init()
+    r = hvd.rank()
+    cases = {
+        "shape": lambda: hvd.allreduce(np.ones((2, 3 + r)), name="shape"),
+        "dtype": lambda: hvd.allreduce(np.ones(3, dtype=np.float32 if r == 0 else np.int64), name="dtype"),
+        "op": lambda: hvd.allreduce(np.ones(3), op=hvd.Sum if r == 0 else hvd.Max, name="op"),
+        "prescale": lambda: hvd.allreduce(np.ones(3), prescale_factor=1.0 + r, name="prescale"),
+        "postscale": lambda: hvd.allreduce(np.ones(3), postscale_factor=1.0 + r, name="postscale"),
+        "root": lambda: hvd.broadcast(np.ones(3), root_rank=r % 2, name="root"),
+        "bcast shape": lambda: hvd.broadcast(np.ones(2 + r), root_rank=0, name="bshape"),
+        "gather dims": lambda: hvd.allgather(np.ones((2, 1 + r)), name="gdims"),
+        "gather rank": lambda: hvd.allgather(np.ones((2,) * (1 + r)), name="grank"),
+        "alltoall dims": lambda: hvd.alltoall(np.ones((hvd.size(), 1 + r)), name="adims"),
+        "reducescatter shape": lambda: hvd.reducescatter(np.ones((4 + r, 2)), name="rs"),
+    }
+    seen = []
+    for case, call in cases.items():
+        try:
+            call()
+            seen.append((case, "no error", ""))
+        except CollectiveMismatchError as exc:
+            seen.append((case, type(exc).__name__, str(exc)))
+        # The runtime stays usable after each error.
+        total = hvd.allreduce(np.ones(2), op=hvd.Sum, name=f"after {case}")
+        assert total.tolist() == [hvd.size()] * 2
+    hvd.shutdown()
+    return seen
+
+
+EXPECTED = {
+    "shape": "allreduce 'shape': shapes differ across ranks: rank 0: (2, 3), rank 1: (2, 4)",
+    "dtype": "allreduce 'dtype': data types differ across ranks: rank 0: float32, rank 1: int64",
+    "op": "allreduce 'op': reduce ops differ across ranks: rank 0: Sum, rank 1: Max",
+    "prescale": "prescale factors differ across ranks: rank 0: 1.0, rank 1: 2.0",
+    "postscale": "allreduce 'postscale': postscale factors differ across ranks: rank 0: 0.5, rank 1: 1.0",
+    "root": "broadcast 'root': root ranks differ across ranks: rank 0: 0, rank 1: 1",
+    "bcast shape": "broadcast 'bshape': shapes differ across ranks: rank 0: (2,), rank 1: (3,)",
+    "gather dims": "allgather 'gdims': shapes beyond the first dimension differ across ranks: rank 0: (2, 1), rank 1: (2, 2)",
+    "gather rank": "allgather 'grank': numbers of dimensions differ across ranks: rank 0: 1, rank 1: 2",
+    "alltoall dims": "alltoall 'adims': shapes beyond the first dimension differ",
+    "reducescatter shape": "reducescatter 'rs': shapes differ across ranks: rank 0: (4, 2), rank 1: (5, 2)",
+}
+
+
+@pytest.mark.timeout(120)
+def test_every_mismatch_raises_on_every_rank_and_the_job_goes_on():
+    results = run_ranks(2, mismatch_job)
+    for rank, seen in enumerate(results):
+        for case, kind, message in seen:
+            assert kind == "CollectiveMismatchError", f"rank {rank} {case}: {kind}"
+            assert EXPECTED[case] in message, f"rank {rank} {case}: {message}"
+
+
+def duplicate_and_local_errors_job() -> list[str]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    messages = []
+    handle = hvd.allreduce_async(np.ones(3), name="dup")
+    try:
+        hvd.allreduce_async(np.ones(3), name="dup")
+    except ValueError as exc:
+        messages.append(str(exc))
+    hvd.synchronize(handle)
+    hvd.allreduce(np.ones(3), name="dup")  # the name is free again
+    for call in (
+        lambda: hvd.alltoall(np.ones(3), name="a"),  # 3 rows do not split evenly over 2 ranks
+        lambda: hvd.alltoall(np.ones(4), splits=[3, 2], name="b"),
+        lambda: hvd.alltoall(np.ones(4), splits=[1], name="c"),
+        lambda: hvd.broadcast(np.ones(2), root_rank=5, name="d"),
+        lambda: hvd.allreduce(np.ones(2, dtype=np.uint32), name="e"),
+        lambda: hvd.allreduce(np.ones(2, dtype=bool), name="f"),
+        lambda: hvd.allreduce_(np.ones((4, 4))[:, 0], name="g"),
+        lambda: hvd.reducescatter(np.ones(4), op=hvd.Max, name="h"),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    try:
+        hvd.allreduce(np.ones(2), op=hvd.Adasum)
+    except NotImplementedError as exc:
+        messages.append(str(exc))
+    hvd.shutdown()
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_local_errors_raise_at_once():
+    for messages in run_ranks(2, duplicate_and_local_errors_job):
+        assert "allreduce 'dup': another tensor of that name is still in flight" in messages[0]
+        assert "must divide evenly" in messages[1]
+        assert "splits sum to 5, more than the first dimension (4)" in messages[2]
+        assert "splits has 1 entries; the process set has 2 ranks" in messages[3]
+        assert "root_rank 5 is not a rank of the process set" in messages[4]
+        assert "Tensor type uint32 is not supported" in messages[5]
+        assert "Average is not defined for bool" in messages[6]
+        assert messages[7] == "Tensor is required to be contiguous."
+        assert "reduce op Max is not supported here" in messages[8]
+        assert "Adasum is not implemented" in messages[9]
+
+
+def killed_rank_job(victim: int) -> str:
+    import os
+    import signal
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    x = np.ones(1 << 16, dtype=np.float32)
+    hvd.allreduce(x, name="warm-up")
+    if hvd.rank() == victim:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    errors = []
+    try:
+        for i in range(100000):
+            hvd.allreduce(x, name=f"step {i}")
+    except hvd.HoraInternalError as exc:
+        errors.append(str(exc))
+    try:  # later operations fail at once, with the same cause
+        hvd.allreduce(x, name="later")
+    except hvd.HoraInternalError as exc:
+        errors.append(str(exc))
+    return "\n".join(errors)
+
+
+@pytest.mark.parametrize("size, victim", [(2, 1), (3, 0), (4, 2)])
+@pytest.mark.timeout(90)
+def test_killed_rank_makes_every_other_rank_raise(size, victim):
+    results = run_ranks(size, killed_rank_job, victim, timeout=60, check=False)
+    for result in results:
+        if result.rank == victim:
+            assert result.returncode == -9
+            continue
+        assert result.returncode == 0, result.output + (result.error or "")
+        first, later = result.value.split("\n")
+        assert f"rank {victim}" in first and "was lost" in first, first
+        assert "allreduce 'later' failed" in later and f"rank {victim}" in later
+
+
+@pytest.mark.timeout(90)
+def test_horarun_names_the_killed_rank_first():
+    script = TESTS / "scripts" / "kill_rank.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hora.runner", "-np", "3", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert proc.returncode != 0
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("horarun:")]
+    assert summary and "rank 1 failed first" in summary[0] and "SIGKILL" in summary[0], proc.stderr
+    # Every surviving rank printed the hora error naming rank 1.
+    for rank in (0, 2):
+        assert any(
+            line.startswith(f"[{rank}]<stdout>:HoraInternalError") and "rank 1" in line for line in proc.stdout.splitlines()
+        ), proc.stdout
+
+
+def stall_job() -> str:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        try:
+            hvd.allreduce(np.ones(2), name="lonely")
+            return "no error"
+        except hvd.HoraInternalError as exc:
+            return str(exc)
+    time.sleep(8)  # never submits 'lonely'; the stall shutdown ends the job first
+    try:
+        hvd.allreduce(np.ones(2), name="late")
+        return "no error"
+    except hvd.HoraInternalError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(60)
+def test_stall_inspector_warns_then_shuts_down():
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    results = run_ranks(2, stall_job, env=env, check=False)
+    assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
+    for result in results:
+        assert "stalled for longer than 3 s" in result.value, result.value

@@ -1,0 +1,82 @@
+"""The API in one process: before init, size 1 without a launcher, queries, fork."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import hora
+import hora.numpy as hvd
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("HORA_", "HOROVOD_")):
+            monkeypatch.delenv(name)
+    yield
+    hvd.shutdown()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size,
+     lambda: hvd.allreduce(np.ones(2)), lambda: hvd.barrier(), lambda: hvd.synchronize(1)],
+)
+def test_before_init_everything_raises_a_clear_value_error(fresh, call):
+    with pytest.raises(ValueError, match=r"hora has not been initialized; use hvd.init\(\)"):
+        call()
+
+
+def test_size_one_without_a_launcher(fresh):
+    assert not hvd.is_initialized()
+    hvd.init()
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (0, 1, 0, 1, 0, 1)
+    assert hvd.is_homogeneous()
+    assert hvd.nccl_built() == 0 and isinstance(hvd.nccl_built(), int)
+    assert not any(f() for f in (hvd.mpi_built, hvd.gloo_built, hvd.mpi_enabled, hvd.gloo_enabled, hvd.cuda_built, hvd.rocm_built, hvd.ddl_built, hvd.ccl_built, hvd.mpi_threads_supported))
+    assert hvd.allreduce(np.arange(3.0)).tolist() == [0.0, 1.0, 2.0]
+    handle = hvd.allgather_async(np.arange(3))
+    assert isinstance(handle, int)
+    assert hvd.synchronize(handle).tolist() == [0, 1, 2]
+    assert hvd.synchronize(handle) is None  # an unknown handle, as in Horovod
+    assert hvd.join() == 0
+    assert hvd.global_process_set.size() == 1 and hvd.global_process_set.rank() == 0
+    assert hora.__version__
+
+
+def test_fp16_compression_round_trip(fresh):
+    hvd.init()
+    x = np.linspace(0, 1, 5, dtype=np.float32)
+    out = hvd.allreduce(x, compression=hvd.Compression.fp16)
+    assert out.dtype == np.float32 and np.allclose(out, x, atol=1e-3)
+    ints = np.arange(4)
+    assert hvd.allreduce(ints, compression=hvd.Compression.fp16, op=hvd.Sum).dtype == ints.dtype
+
+
+def test_a_forked_child_gets_a_clear_error(fresh):
+    hvd.init()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            hvd.allreduce(np.ones(1))
+            message = b"no error"
+        except RuntimeError as exc:
+            message = str(exc).encode()
+        os.write(write, message[:500])
+        os._exit(0)
+    os.close(write)
+    message = os.read(read, 1000).decode()
+    os.waitpid(pid, 0)
+    assert "is a fork of it" in message and "Call hvd.init() in the child" in message
+    assert hvd.allreduce(np.ones(1)).tolist() == [1.0]  # the parent is unaffected
+
+
+def test_dynamic_mode_is_required_to_add_sets(fresh):
+    hvd.init()
+    with pytest.raises(ValueError, match="HORA_DYNAMIC_PROCESS_SETS=1"):
+        hvd.add_process_set([0])
