@@ -196,3 +196,50 @@ def test_collective(job, size):
     results = run_ranks(size, job, timeout=200)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])
+
+
+def adasum_job() -> list[str]:
+    import hora.numpy as hvd
+    from hora.collectives.adasum import combine
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    if n & (n - 1):
+        try:
+            hvd.allreduce(np.ones(3), op=hvd.Adasum)
+            problems.append("no error at a size that is not a power of two")
+        except NotImplementedError as exc:
+            if "power-of-two" not in str(exc):
+                problems.append(str(exc))
+        hvd.shutdown()
+        return problems
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+        shapes = [(6,), (3, 4), (1,)]
+        inputs = {r: [make(dtype, r, shape, salt) for salt, shape in enumerate(shapes)] for r in range(n)}
+        # The reference: the same binary tree of pairwise combinations, per tensor.
+        want = []
+        for t in range(len(shapes)):
+            level = [inputs[r][t].reshape(-1).astype(np.float64) for r in range(n)]
+            while len(level) > 1:
+                level = [combine(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+            want.append(level[0].reshape(shapes[t]))
+        got = hvd.grouped_allreduce(inputs[me], op=hvd.Adasum, name=f"adasum {dtype}")  # fused
+        for t, (g, w) in enumerate(zip(got, want)):
+            _compare(f"adasum {dtype} tensor {t}", g, w, dtype, problems)
+    # Orthogonal vectors add; parallel ones average.
+    e = np.zeros(n)
+    e[me] = 1.0
+    _compare("orthogonal", hvd.allreduce(e, op=hvd.Adasum, name="orth"), np.ones(n), np.dtype(np.float64), problems)
+    same = np.full(4, 3.0)
+    _compare("parallel", hvd.allreduce(same, op=hvd.Adasum, name="par"), same, np.dtype(np.float64), problems)
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.timeout(120)
+def test_adasum(size):
+    results = run_ranks(size, adasum_job, timeout=100)
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])

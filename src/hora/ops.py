@@ -120,8 +120,6 @@ def resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> 
 
 
 def _check_reduce(label: str, op: int, tensor: Tensor, allowed: tuple[int, ...]) -> None:
-    if op == ADASUM:
-        raise NotImplementedError(f"{label}: op=Adasum is not implemented in hora yet; use Average or Sum")
     if op not in allowed:
         names = ", ".join(OP_NAMES[o] for o in allowed)
         raise ValueError(f"{label}: reduce op {OP_NAMES.get(op, op)} is not supported here (use {names})")
@@ -145,14 +143,27 @@ def allreduce(
     Average is a sum with ``postscale`` divided by the set size, as in Horovod.
     """
     label = f"allreduce '{name}'"
-    _check_reduce(label, op, tensor, (AVERAGE, SUM, MIN, MAX, PRODUCT))
+    _check_reduce(label, op, tensor, (AVERAGE, SUM, MIN, MAX, PRODUCT, ADASUM))
     sid = set_id(runtime, process_set, label)
+    kind = RequestType.ALLREDUCE
+    if op == ADASUM:
+        kind = RequestType.ADASUM
+        _check_adasum(label, tensor, sid, len(_members(runtime, sid)))
     if op == AVERAGE:
         postscale = postscale / len(_members(runtime, sid))
     return runtime.submit(
-        RequestType.ALLREDUCE, name, tensor.dtype, tensor.data, output, tensor.shape, sid,
+        kind, name, tensor.dtype, tensor.data, output, tensor.shape, sid,
         reduce_op=op, prescale=prescale, postscale=postscale, group=group[0], group_size=group[1],
     )  # fmt: skip
+
+
+def _check_adasum(label: str, tensor: Tensor, set_id_: int, size: int) -> None:
+    if set_id_ != 0:
+        raise NotImplementedError(f"{label}: Adasum runs on the global process set only (as in Horovod)")
+    if size & (size - 1):
+        raise NotImplementedError(f"{label}: Adasum on CPU needs a power-of-two number of ranks; the job has {size}")
+    if not tensor.dtype.is_float:
+        raise ValueError(f"{label}: Adasum needs floating-point tensors; got {tensor.dtype.label}")
 
 
 def allgather(

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hora.collectives import pointwise, ring
+from hora.collectives import adasum, pointwise, ring
 from hora.collectives.channel import Channel
-from hora.collectives.reduce import DataType, reducer, scale
+from hora.collectives.reduce import SUM, DataType, reducer, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue
@@ -77,7 +77,7 @@ class Executor:
             self._complete(response, response.names[0], None)
             return
         channel = self._channel_for(self.sets.ranks(response.process_set_id))
-        if kind == ResponseType.ALLREDUCE:
+        if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             self._allreduce(response, channel)
             return
         entry = self.queue.pop(response.process_set_id, response.names[0])
@@ -109,8 +109,9 @@ class Executor:
         return raw[:nbytes].view(dtype)
 
     def _allreduce(self, response: Response, channel: Channel) -> None:
+        """Allreduce or Adasum of one or more tensors (fused when several)."""
         dtype = DataType(response.dtype)
-        reduce = reducer(response.reduce_op, dtype)
+        reduce = reducer(SUM if response.type == ResponseType.ADASUM else response.reduce_op, dtype)
         entries = [self.queue.pop(response.process_set_id, name) for name in response.names]
         # The ring receives at most one segment (a 1/size share, rounded up) at a time.
         scratch = self._buffer("_scratch", -(-sum(response.sizes) // channel.size), dtype.storage)
@@ -131,7 +132,10 @@ class Executor:
                     np.copyto(target, entry.input)
                 offset += count
         scale(buffer, response.prescale, dtype)
-        ring.allreduce(channel, buffer, reduce, scratch)
+        if response.type == ResponseType.ADASUM:
+            adasum.allreduce(channel, buffer, ring.bounds_from_lengths(response.sizes))
+        else:
+            ring.allreduce(channel, buffer, reduce, scratch)
         scale(buffer, response.postscale, dtype)
         offset = 0
         for entry, count in zip(entries, response.sizes):

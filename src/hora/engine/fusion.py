@@ -12,11 +12,18 @@ from __future__ import annotations
 from hora.collectives.reduce import DataType
 from hora.engine.messages import Response, ResponseType
 
-FUSABLE = (ResponseType.ALLREDUCE,)
+FUSABLE = (ResponseType.ALLREDUCE, ResponseType.ADASUM)
 
 
-def _kind(response: Response) -> tuple[int, int, int, float, float]:
-    return response.process_set_id, response.dtype, response.reduce_op, response.prescale, response.postscale
+def _kind(response: Response) -> tuple[int, int, int, int, float, float]:
+    return (
+        response.type,
+        response.process_set_id,
+        response.dtype,
+        response.reduce_op,
+        response.prescale,
+        response.postscale,
+    )
 
 
 def _nbytes(response: Response) -> int:
@@ -36,7 +43,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
     if threshold <= 0:
         return list(responses)
     out: list[Response] = []
-    open_by_kind: dict[tuple[int, int, int, float, float], tuple[Response, int]] = {}
+    open_by_kind: dict[tuple[int, int, int, int, float, float], tuple[Response, int]] = {}
     for response in responses:
         if response.type not in FUSABLE:
             out.append(response)
