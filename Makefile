@@ -6,10 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/frameworks.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements/frameworks.txt
 	$(PY) -m pip install --quiet -e '.[test]'
+	# Keras 2 for the TF_USE_LEGACY_KERAS=1 tests; without --no-deps it pulls the full tensorflow wheel.
+	$(PY) -m pip install --quiet --no-deps tf_keras==2.21.0
 	touch $(STAMP)
 
 install: $(STAMP)
