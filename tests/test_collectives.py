@@ -187,13 +187,18 @@ def reducescatter_job() -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("size", SIZES)
+# Ranks on one machine use shared memory by default; HORA_SHARED_MEMORY=0 forces the TCP ring.
+TRANSPORTS = {"shm": {}, "tcp": {"HORA_SHARED_MEMORY": "0"}}
+CASES = [(size, transport) for size in SIZES for transport in TRANSPORTS if size > 1 or transport == "shm"]
+
+
+@pytest.mark.parametrize("size, transport", CASES, ids=[f"np{s}-{t}" for s, t in CASES])
 @pytest.mark.parametrize(
     "job", [allreduce_job, allgather_job, broadcast_job, alltoall_job, reducescatter_job], ids=lambda f: f.__name__
 )
 @pytest.mark.timeout(240)
-def test_collective(job, size):
-    results = run_ranks(size, job, timeout=200)
+def test_collective(job, size, transport):
+    results = run_ranks(size, job, timeout=200, env=TRANSPORTS[transport])
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])
 
@@ -243,3 +248,39 @@ def test_adasum(size):
     results = run_ranks(size, adasum_job, timeout=100)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])
+
+
+def large_job(staging_mb: int) -> list[str]:
+    """Buffers many times the staging area, so the shared-memory path runs many rounds."""
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    count = 3 * (staging_mb << 20) // 4 + 12345  # float32 elements: several rounds, ragged end
+    mine = np.arange(count, dtype=np.float32) % 1000 + me
+    want = np.arange(count, dtype=np.float32) % 1000 * n + sum(range(n))
+    _compare("allreduce", hvd.allreduce(mine, op=hvd.Sum, name="big"), want, np.dtype(np.float32), problems)
+    rows = count // 7
+    block = np.arange(rows * 7, dtype=np.float64).reshape(rows, 7) + me
+    q, m = divmod(rows, n)
+    start = me * q + min(me, m)
+    full = np.arange(rows * 7, dtype=np.float64).reshape(rows, 7) * n + sum(range(n))
+    _compare("reducescatter", hvd.reducescatter(block, op=hvd.Sum, name="rs"), full[start : start + q + (me < m)], np.dtype(np.float64), problems)
+    pieces = [np.full(((r + 1) * count // n, 1), r, dtype=np.int32) for r in range(n)]
+    _compare("allgather", hvd.allgather(pieces[me], name="ag"), np.concatenate(pieces), np.dtype(np.int32), problems)
+    root = np.arange(count, dtype=np.int16) if me == n - 1 else np.zeros(count, dtype=np.int16)
+    _compare("broadcast", hvd.broadcast(root, root_rank=n - 1, name="bc"), np.arange(count, dtype=np.int16), np.dtype(np.int16), problems)
+    send = np.repeat(np.arange(n, dtype=np.float32) + 10 * me, count // n)
+    want_a2a = np.repeat(np.full(n, me, dtype=np.float32) + 10 * np.arange(n), count // n)
+    _compare("alltoall", hvd.alltoall(send, name="a2a"), want_a2a, np.dtype(np.float32), problems)
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(240)
+def test_large_buffers_through_small_staging_areas(size):
+    results = run_ranks(size, large_job, 1, timeout=200, env={"HORA_SHM_STAGING_MB": "1"})
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems)

@@ -94,7 +94,7 @@ def test_mesh_drops_rogue_connections_while_forming(caplog):
         deadline = time.monotonic() + 5
         while server.get("mesh/0/0") is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        _, address, port = server.get("mesh/0/0").decode().split("\n")
+        _, address, port, _ = server.get("mesh/0/0").decode().split("\n")
         garbage = socket.create_connection((address, int(port)))
         garbage.sendall(b"\x00" * 200)  # queued before any real rank connects
         impostor_errors: list[Exception] = []

@@ -13,7 +13,9 @@ Runtime knobs
     ``HORA_CACHE_CAPACITY`` (default 1024), ``HORA_STALL_CHECK_DISABLE``,
     ``HORA_STALL_CHECK_TIME_SECONDS`` (60), ``HORA_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never),
     ``HORA_LOG_LEVEL`` (WARNING), ``HORA_LOG_HIDE_TIME``, ``HORA_DYNAMIC_PROCESS_SETS``,
-    ``HORA_ELASTIC``, ``HORA_START_TIMEOUT`` (30 s), ``HORA_DISABLE_GROUP_FUSION``.
+    ``HORA_ELASTIC``, ``HORA_START_TIMEOUT`` (30 s), ``HORA_DISABLE_GROUP_FUSION``,
+    ``HORA_SHARED_MEMORY`` (1: ranks on one machine move data through shared memory),
+    ``HORA_SHM_STAGING_MB`` (16: each rank's shared staging buffer).
 
 Job topology (set by ``horarun``)
     ``HORA_RANK``, ``HORA_SIZE``, ``HORA_LOCAL_RANK``, ``HORA_LOCAL_SIZE``,
@@ -48,6 +50,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "HORA_ELASTIC": ("HOROVOD_ELASTIC",),
     "HORA_START_TIMEOUT": ("HOROVOD_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
     "HORA_DISABLE_GROUP_FUSION": ("HOROVOD_DISABLE_GROUP_FUSION",),
+    "HORA_SHARED_MEMORY": (),
+    "HORA_SHM_STAGING_MB": (),
     "HORA_RANK": ("HOROVOD_RANK",),
     "HORA_SIZE": ("HOROVOD_SIZE",),
     "HORA_LOCAL_RANK": ("HOROVOD_LOCAL_RANK",),
@@ -172,6 +176,8 @@ class Config:
     elastic: bool = False
     start_timeout: float = 30.0
     disable_group_fusion: bool = False
+    shared_memory: bool = True
+    shm_staging_bytes: int = 16 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -217,6 +223,8 @@ class Config:
             elastic=env.flag("HORA_ELASTIC"),
             start_timeout=env.number("HORA_START_TIMEOUT", 30.0, strict=True),
             disable_group_fusion=env.flag("HORA_DISABLE_GROUP_FUSION"),
+            shared_memory=env.flag("HORA_SHARED_MEMORY", True),
+            shm_staging_bytes=env.integer("HORA_SHM_STAGING_MB", 16, lo=1, hi=4096) * 1024 * 1024,
         )
         config.check_launch()
         return config

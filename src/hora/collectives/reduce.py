@@ -85,9 +85,6 @@ def data_type_of(dtype: np.dtype[np.generic]) -> DataType:
     return code
 
 
-Reducer = Callable[[np.ndarray, np.ndarray], None]
-
-
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -99,20 +96,30 @@ def _f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
     out[...] = rounded.astype(np.uint16)
 
 
-def _bf16(ufunc: np.ufunc) -> Reducer:
-    def reduce(target: np.ndarray, other: np.ndarray) -> None:
-        wide = _bf16_to_f32(target)
-        ufunc(wide, _bf16_to_f32(other), out=wide)
-        _f32_to_bf16(wide, target)
+class Reducer:
+    """Combines buffers element-wise with one reduce op, in place or into an output.
 
-    return reduce
+    Args:
+        ufunc: the NumPy ufunc of the op.
+        bfloat16: the buffers hold bfloat16 bits in uint16.
+    """
 
+    def __init__(self, ufunc: np.ufunc, bfloat16: bool = False) -> None:
+        self._ufunc = ufunc
+        self._bfloat16 = bfloat16
 
-def _inplace(ufunc: np.ufunc) -> Reducer:
-    def reduce(target: np.ndarray, other: np.ndarray) -> None:
-        ufunc(target, other, out=target)
+    def __call__(self, target: np.ndarray, other: np.ndarray) -> None:
+        """Folds ``other`` into ``target``."""
+        self.into(target, other, target)
 
-    return reduce
+    def into(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """Writes ``a op b`` to ``out`` (which may be ``a``) in one pass."""
+        if self._bfloat16:
+            wide = _bf16_to_f32(a)
+            self._ufunc(wide, _bf16_to_f32(b), out=wide)
+            _f32_to_bf16(wide, out)
+        else:
+            self._ufunc(a, b, out=out)
 
 
 _UFUNCS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
@@ -120,7 +127,7 @@ _BOOL_UFUNCS = {SUM: np.logical_or, MAX: np.logical_or, MIN: np.logical_and, PRO
 
 
 def reducer(op: int, dtype: DataType) -> Reducer:
-    """Returns the function that folds ``other`` into ``target`` for this op and type.
+    """Returns the ``Reducer`` for this op and type.
 
     Average reduces as Sum; the division is a postscale factor.
 
@@ -130,12 +137,10 @@ def reducer(op: int, dtype: DataType) -> Reducer:
     if dtype == DataType.BOOL:
         if op not in _BOOL_UFUNCS:
             raise ValueError(f"{OP_NAMES.get(op, op)} is not defined for bool tensors (use Sum, Min, Max or Product)")
-        return _inplace(_BOOL_UFUNCS[op])
+        return Reducer(_BOOL_UFUNCS[op])
     if op not in _UFUNCS:
         raise ValueError(f"unknown reduce op {op}")
-    if dtype == DataType.BFLOAT16:
-        return _bf16(_UFUNCS[op])
-    return _inplace(_UFUNCS[op])
+    return Reducer(_UFUNCS[op], bfloat16=dtype == DataType.BFLOAT16)
 
 
 def scale(buffer: np.ndarray, factor: float, dtype: DataType) -> None:

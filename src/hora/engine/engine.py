@@ -36,15 +36,18 @@ from collections import deque
 
 from hora.config import Config
 from hora.engine import messages
+from hora.engine.algorithms import Collectives, SharedCollectives, TcpCollectives
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
+from hora.engine.shm_group import ShmGroup
 from hora.engine.stall import StalledError, StallInspector
 from hora.errors import ProtocolError
 from hora.transport.mesh import Mesh
+from hora.transport.shm import Domain
 from hora.transport.tcp import Link, LinkClosed, Watch, encode_frame
 
 log = logging.getLogger("hora")
@@ -63,9 +66,10 @@ class Engine:
     Args:
         config: the validated configuration.
         mesh: the connections to the other ranks; None for a job of one rank.
+        domain: shared memory with the ranks on this machine, if any.
     """
 
-    def __init__(self, config: Config, mesh: Mesh | None) -> None:
+    def __init__(self, config: Config, mesh: Mesh | None, domain: Domain | None = None) -> None:
         self.rank = config.topology.rank
         self.size = config.topology.size
         self._config = config
@@ -79,8 +83,11 @@ class Engine:
         self._stall = StallInspector(config) if self._coordinator is not None else None
         self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
         self._watch = Watch(list(self._links.values()), self._check_urgent)
-        self._channels: dict[tuple[int, ...], MeshChannel] = {}
-        self._executor = Executor(self.rank, self.sets, self.queue, self._channel_for)
+        self._domain = domain
+        if domain is not None:
+            domain.watch = self._watch
+        self._collectives: dict[tuple[int, ...], Collectives] = {}
+        self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         self._responses: deque[Response] = deque()
         self._poller = select.poll()
         self._poller.register(self._wake_r.fileno(), select.POLLIN)
@@ -246,12 +253,19 @@ class Engine:
         for member, responses in by_rank.items():
             self._links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self._watch)
 
-    def _channel_for(self, ranks: tuple[int, ...]) -> MeshChannel:
-        channel = self._channels.get(ranks)
-        if channel is None:
+    def _collectives_for(self, ranks: tuple[int, ...]) -> Collectives:
+        """The algorithms of a process set: shared memory when all its ranks are on this machine."""
+        collectives = self._collectives.get(ranks)
+        if collectives is None:
             data = self._mesh.data if self._mesh is not None else {}
-            channel = self._channels[ranks] = MeshChannel(ranks, self.rank, data, self._watch)
-        return channel
+            channel = MeshChannel(ranks, self.rank, data, self._watch)
+            domain = self._domain
+            if domain is not None and len(ranks) > 1 and all(r in domain.ranks for r in ranks):
+                collectives = SharedCollectives(ShmGroup(domain, ranks), channel)
+            else:
+                collectives = TcpCollectives(channel)
+            self._collectives[ranks] = collectives
+        return collectives
 
     def _lost(self, link: Link, detail: str) -> str:
         role = " (the coordinator)" if link.peer == 0 else ""
@@ -346,6 +360,8 @@ class Engine:
 
     def _close(self) -> None:
         self.queue.close(internal_error(self.failure or f"hora has shut down on rank {self.rank}"))
+        if self._domain is not None:
+            self._domain.close()
         if self._mesh is not None:
             self._mesh.close()
         self._wake_r.close()

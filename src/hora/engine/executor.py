@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hora.collectives import adasum, pointwise, ring
-from hora.collectives.channel import Channel
+from hora.collectives import ring
+from hora.engine.algorithms import Collectives
 from hora.collectives.reduce import SUM, DataType, reducer, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
@@ -31,7 +31,7 @@ class Executor:
         rank: this process's global rank.
         sets: this rank's process-set table (updated as set responses execute).
         queue: the tensor queue entries are taken from.
-        channel_for: builds the channel among a process set's global ranks.
+        collectives_for: the algorithms among a process set's global ranks.
     """
 
     def __init__(
@@ -39,14 +39,13 @@ class Executor:
         rank: int,
         sets: ProcessSetTable,
         queue: TensorQueue,
-        channel_for: Callable[[tuple[int, ...]], Channel],
+        collectives_for: Callable[[tuple[int, ...]], Collectives],
     ) -> None:
         self.rank = rank
         self.sets = sets
         self.queue = queue
-        self._channel_for = channel_for
+        self._collectives_for = collectives_for
         self._fusion = np.empty(0, dtype=np.uint8)
-        self._scratch = np.empty(0, dtype=np.uint8)
 
     def run(self, response: Response) -> None:
         """Executes one response and completes the handles of its tensors.
@@ -76,7 +75,7 @@ class Executor:
         if kind == ResponseType.BARRIER:
             self._complete(response, response.names[0], None)
             return
-        channel = self._channel_for(self.sets.ranks(response.process_set_id))
+        channel = self._collectives_for(self.sets.ranks(response.process_set_id))
         if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             self._allreduce(response, channel)
             return
@@ -108,13 +107,11 @@ class Executor:
             setattr(self, attribute, raw)
         return raw[:nbytes].view(dtype)
 
-    def _allreduce(self, response: Response, channel: Channel) -> None:
+    def _allreduce(self, response: Response, channel: Collectives) -> None:
         """Allreduce or Adasum of one or more tensors (fused when several)."""
         dtype = DataType(response.dtype)
         reduce = reducer(SUM if response.type == ResponseType.ADASUM else response.reduce_op, dtype)
         entries = [self.queue.pop(response.process_set_id, name) for name in response.names]
-        # The ring receives at most one segment (a 1/size share, rounded up) at a time.
-        scratch = self._buffer("_scratch", -(-sum(response.sizes) // channel.size), dtype.storage)
         only = entries[0] if len(entries) == 1 else None
         if only is not None and only.output is not None and only.input is not None:
             # One tensor: reduce in its own output buffer, no packing copy.
@@ -133,9 +130,9 @@ class Executor:
                 offset += count
         scale(buffer, response.prescale, dtype)
         if response.type == ResponseType.ADASUM:
-            adasum.allreduce(channel, buffer, ring.bounds_from_lengths(response.sizes))
+            channel.adasum(buffer, ring.bounds_from_lengths(response.sizes))
         else:
-            ring.allreduce(channel, buffer, reduce, scratch)
+            channel.allreduce(buffer, reduce)
         scale(buffer, response.postscale, dtype)
         offset = 0
         for entry, count in zip(entries, response.sizes):
@@ -145,7 +142,7 @@ class Executor:
                 entry.handle.complete(entry.output.reshape(entry.shape))
             offset += count
 
-    def _allgather(self, response: Response, channel: Channel, entry: Entry) -> None:
+    def _allgather(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None  # invariant: allgather entries carry data
         dims = response.sizes
         row = _row_size(entry.shape)
@@ -153,28 +150,28 @@ class Executor:
         output = np.empty(sum(dims) * row, dtype=entry.input.dtype)
         offset, length = bounds[channel.rank]
         output[offset : offset + length] = entry.input
-        ring.allgather(channel, output, bounds)
+        channel.allgather(output, bounds)
         entry.handle.complete(output.reshape((sum(dims), *entry.shape[1:])))
 
-    def _broadcast(self, response: Response, channel: Channel, entry: Entry) -> None:
+    def _broadcast(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None and entry.output is not None  # invariant: set at enqueue
         if channel.rank == response.root_rank and entry.output is not entry.input:
             np.copyto(entry.output, entry.input)
-        pointwise.broadcast(channel, entry.output, response.root_rank)
+        channel.broadcast(entry.output, response.root_rank)
         entry.handle.complete(entry.output.reshape(entry.shape))
 
-    def _alltoall(self, response: Response, channel: Channel, entry: Entry) -> None:
+    def _alltoall(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None  # invariant: alltoall entries carry data
         n, me = channel.size, channel.rank
         matrix = np.asarray(response.sizes, dtype=np.int64).reshape(n, n)
         row = _row_size(entry.shape)
         received = matrix[:, me]
         output = np.empty(int(received.sum()) * row, dtype=entry.input.dtype)
-        pointwise.alltoall(channel, entry.input, [int(c) * row for c in matrix[me]], output, [int(c) * row for c in received])
+        channel.alltoall(entry.input, [int(c) * row for c in matrix[me]], output, [int(c) * row for c in received])
         result = output.reshape((int(received.sum()), *entry.shape[1:]))
         entry.handle.complete((result, received.astype(np.int32)))
 
-    def _reducescatter(self, response: Response, channel: Channel, entry: Entry) -> None:
+    def _reducescatter(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None  # invariant: reducescatter entries carry data
         dtype = DataType(response.dtype)
         n = channel.size
@@ -182,12 +179,14 @@ class Executor:
         row = _row_size(entry.shape)
         counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
         bounds = ring.bounds_from_lengths([c * row for c in counts])
-        buffer = self._buffer("_fusion", entry.input.size, dtype.storage)
-        np.copyto(buffer, entry.input)
-        scale(buffer, response.prescale, dtype)
-        ring.reduce_scatter(channel, buffer, bounds, reducer(response.reduce_op, dtype))
-        offset, length = bounds[channel.rank]
-        output = buffer[offset : offset + length].copy()
+        data = entry.input
+        if response.prescale != 1.0 or not channel.reads_only:
+            # The algorithm (or the prescaling) writes into its input: work on a copy.
+            data = self._buffer("_fusion", entry.input.size, dtype.storage)
+            np.copyto(data, entry.input)
+            scale(data, response.prescale, dtype)
+        output = np.empty(bounds[channel.rank][1], dtype=dtype.storage)
+        channel.reduce_scatter(data, bounds, reducer(response.reduce_op, dtype), output)
         scale(output, response.postscale, dtype)
         entry.handle.complete(output.reshape((counts[channel.rank], *entry.shape[1:])))
 

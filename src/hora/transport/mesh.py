@@ -21,7 +21,7 @@ import struct
 import time
 
 from hora.errors import AuthenticationError, HoraInternalError, ProtocolError
-from hora.transport import auth, tcp
+from hora.transport import auth, shm, tcp
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
 
 log = logging.getLogger("hora.transport")
@@ -40,6 +40,8 @@ class Mesh:
         rank: this rank.
         size: the number of ranks.
         hosts: the host name of every rank, by rank.
+        machines: the machine (kernel instance) of every rank, by rank: ranks with the
+            same host name and machine can share memory.
         data: peer rank -> the data link shared with it.
         control: on rank 0, worker rank -> its control link; on other ranks, {0: link}.
     """
@@ -47,6 +49,7 @@ class Mesh:
     rank: int
     size: int
     hosts: list[str]
+    machines: list[str]
     data: dict[int, tcp.Link]
     control: dict[int, tcp.Link]
 
@@ -95,7 +98,8 @@ def build_mesh(
     control: dict[int, tcp.Link] = {}
     try:
         port = listener.getsockname()[1]
-        rendezvous.put(_peer_key(generation, rank), f"{hostname}\n{bind_host}\n{port}".encode())
+        record = f"{hostname}\n{bind_host}\n{port}\n{shm.machine_id()}"
+        rendezvous.put(_peer_key(generation, rank), record.encode())
         try:
             records = rendezvous.wait([_peer_key(generation, r) for r in range(size)], timeout)
         except RendezvousTimeout as exc:
@@ -105,8 +109,10 @@ def build_mesh(
                 f"{rendezvous.host}:{rendezvous.port} within {timeout:g} s (raise --start-timeout or "
                 "HORA_START_TIMEOUT if they start slowly)"
             ) from None
-        peers = [_parse_record(r, record) for r, record in enumerate(records)]
+        parsed = [_parse_record(r, record) for r, record in enumerate(records)]
+        peers = [(host, address, port) for host, address, port, _ in parsed]
         hosts = [host for host, _, _ in peers]
+        machines = [machine for _, _, _, machine in parsed]
         deadline = time.monotonic() + timeout
         for peer in range(rank):
             data[peer] = _connect(peers, peer, DATA, rank, size, generation, secret, deadline)
@@ -125,13 +131,13 @@ def build_mesh(
         listener.close()
     for link in (*data.values(), *control.values()):
         link.set_nonblocking()
-    return Mesh(rank, size, hosts, data, control)
+    return Mesh(rank, size, hosts, machines, data, control)
 
 
-def _parse_record(rank: int, record: bytes) -> tuple[str, str, int]:
+def _parse_record(rank: int, record: bytes) -> tuple[str, str, int, str]:
     try:
-        host, address, port = record.decode().split("\n")
-        return host, address, int(port)
+        host, address, port, machine = record.decode().split("\n")
+        return host, address, int(port), machine
     except ValueError:
         raise ProtocolError(f"rank {rank} published a malformed address record") from None
 

@@ -1,0 +1,204 @@
+"""Collectives among ranks of one machine, through shared staging buffers.
+
+Every member has two staging halves that all members can read. A collective moves
+the data in rounds, alternating halves: each member copies its share of the round
+into its own half, a barrier makes every copy visible, then each member reads what it
+needs from the others' halves. Work is split so that every member is busy in every
+round (each reduces a 1/n share of the round), and each element is reduced by one
+member only, so every rank ends with bit-identical results.
+
+Why alternating halves need one barrier per round: a member refills a half only two
+rounds later, after passing the next round's barrier, which every member reaches only
+after it finished reading that half. Every collective ends with one more barrier, so
+the next one (of any process set) may refill either half at once.
+
+Small allreduces take a shorter path: every member reads every contribution and sums
+them itself, in member order (so results stay identical on every rank): one barrier
+less, and no member waits for another's reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from hora.collectives.reduce import Reducer
+from hora.collectives.ring import Bounds, even_bounds
+
+
+class SharedGroup(Protocol):
+    """Members of one process set that share memory."""
+
+    @property
+    def rank(self) -> int:
+        """This process's index in the set."""
+
+    @property
+    def size(self) -> int:
+        """The number of members."""
+
+    @property
+    def half_bytes(self) -> int:
+        """The size of each staging half."""
+
+    def stage(self, member: int, half: int) -> np.ndarray:
+        """A member's staging half, as bytes."""
+
+    def barrier(self) -> None:
+        """Waits until every member reached this barrier."""
+
+
+def _typed(raw: np.ndarray, dtype: np.dtype[np.generic], count: int) -> np.ndarray:
+    return raw[: count * dtype.itemsize].view(dtype)
+
+
+def _capacity(group: SharedGroup, dtype: np.dtype[np.generic]) -> int:
+    return group.half_bytes // dtype.itemsize
+
+
+SMALL_BYTES = 16 * 1024  # up to this size every member sums every contribution itself
+
+
+def allreduce(group: SharedGroup, buffer: np.ndarray, reduce: Reducer) -> None:
+    """Reduces ``buffer`` in place across the group; every member gets the result."""
+    n, me = group.size, group.rank
+    if n == 1 or buffer.size == 0:
+        return
+    if buffer.nbytes <= min(SMALL_BYTES, group.half_bytes):
+        _typed(group.stage(me, 0), buffer.dtype, buffer.size)[...] = buffer
+        group.barrier()
+        buffer[...] = _typed(group.stage(0, 0), buffer.dtype, buffer.size)
+        for k in range(1, n):
+            reduce(buffer, _typed(group.stage(k, 0), buffer.dtype, buffer.size))
+        group.barrier()
+        return
+    step = _capacity(group, buffer.dtype)
+    for round_, start in enumerate(range(0, buffer.size, step)):
+        half = round_ % 2
+        chunk = buffer[start : start + step]
+        stages = [_typed(group.stage(k, half), buffer.dtype, chunk.size) for k in range(n)]
+        bounds = [slice(offset, offset + length) for offset, length in even_bounds(chunk.size, n)]
+        # Publish only the shares others reduce; this rank's own share stays private.
+        for k in range(n):
+            if k != me:
+                stages[me][bounds[k]] = chunk[bounds[k]]
+        group.barrier()
+        # Reduce this rank's share from its private input and the others' published
+        # copies, in member order, into its stage, where the others read the result.
+        mine = stages[me][bounds[me]]
+        contributions = [chunk[bounds[me]] if k == me else stages[k][bounds[me]] for k in range(n)]
+        reduce.into(contributions[0], contributions[1], mine)
+        for contribution in contributions[2:]:
+            reduce(mine, contribution)
+        chunk[bounds[me]] = mine
+        group.barrier()
+        for k in range(n):
+            if k != me:
+                chunk[bounds[k]] = stages[k][bounds[k]]
+    group.barrier()
+
+
+def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
+    """Reduces ``buffer`` across the group; ``output`` receives this member's segment.
+
+    ``buffer`` is only read. Each round, every member publishes the pieces of the
+    others' segments and reduces the piece of its own segment from its private input
+    and the others' published pieces, straight into ``output``.
+
+    Args:
+        bounds: (offset, length) of each member's segment of ``buffer``.
+        output: ``bounds[rank][1]`` elements, filled with the reduced segment.
+    """
+    n, me = group.size, group.rank
+    own_offset, own_length = bounds[me]
+    if n == 1:
+        output[...] = buffer[own_offset : own_offset + own_length]
+        return
+    share = max(1, _capacity(group, buffer.dtype) // n)  # elements of each segment per round
+    longest = max(length for _, length in bounds)
+    for round_, start in enumerate(range(0, max(longest, 1), share)):
+        half = round_ % 2
+        stages = [_typed(group.stage(k, half), buffer.dtype, share * n) for k in range(n)]
+        for k, (offset, length) in enumerate(bounds):
+            piece = max(0, min(share, length - start))
+            if k != me and piece:
+                stages[me][k * share : k * share + piece] = buffer[offset + start : offset + start + piece]
+        group.barrier()
+        piece = max(0, min(share, own_length - start))
+        if piece:
+            contributions = [
+                buffer[own_offset + start : own_offset + start + piece]
+                if k == me
+                else stages[k][me * share : me * share + piece]
+                for k in range(n)
+            ]
+            target = output[start : start + piece]
+            reduce.into(contributions[0], contributions[1], target)
+            for contribution in contributions[2:]:
+                reduce(target, contribution)
+    group.barrier()
+
+
+def allgather(group: SharedGroup, buffer: np.ndarray, bounds: Bounds) -> None:
+    """Fills every member's segment of ``buffer`` from that member (segment ``rank`` is filled on entry)."""
+    n, me = group.size, group.rank
+    if n == 1:
+        return
+    step = _capacity(group, buffer.dtype)
+    longest = max(length for _, length in bounds)
+    for round_, start in enumerate(range(0, max(longest, 1), step)):
+        half = round_ % 2
+        offset, length = bounds[me]
+        piece = max(0, min(step, length - start))
+        _typed(group.stage(me, half), buffer.dtype, piece)[...] = buffer[offset + start : offset + start + piece]
+        group.barrier()
+        for k, (offset, length) in enumerate(bounds):
+            piece = max(0, min(step, length - start))
+            if k != me and piece:
+                buffer[offset + start : offset + start + piece] = _typed(group.stage(k, half), buffer.dtype, piece)
+    group.barrier()
+
+
+def broadcast(group: SharedGroup, buffer: np.ndarray, root: int) -> None:
+    """Copies ``buffer`` from member ``root`` to every member."""
+    if group.size == 1 or buffer.size == 0:
+        return
+    step = _capacity(group, buffer.dtype)
+    for round_, start in enumerate(range(0, buffer.size, step)):
+        half = round_ % 2
+        chunk = buffer[start : start + step]
+        stage = _typed(group.stage(root, half), buffer.dtype, chunk.size)
+        if group.rank == root:
+            stage[...] = chunk
+        group.barrier()
+        if group.rank != root:
+            chunk[...] = stage
+    group.barrier()
+
+
+def alltoall(
+    group: SharedGroup, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]
+) -> None:
+    """Sends segment ``j`` of ``send`` to member ``j``; receives segment ``i`` of ``recv`` from member ``i``."""
+    n, me = group.size, group.rank
+    send_offsets = np.concatenate(([0], np.cumsum(send_counts))).astype(int)
+    recv_offsets = np.concatenate(([0], np.cumsum(recv_counts))).astype(int)
+    recv[recv_offsets[me] : recv_offsets[me] + recv_counts[me]] = send[send_offsets[me] : send_offsets[me] + send_counts[me]]
+    if n == 1:
+        return
+    share = max(1, _capacity(group, send.dtype) // n)
+    longest = max(max(send_counts, default=0), max(recv_counts, default=0))
+    for round_, start in enumerate(range(0, max(longest, 1), share)):
+        half = round_ % 2
+        mine = _typed(group.stage(me, half), send.dtype, share * n)
+        for j in range(n):
+            piece = max(0, min(share, send_counts[j] - start))
+            mine[j * share : j * share + piece] = send[send_offsets[j] + start : send_offsets[j] + start + piece]
+        group.barrier()
+        for i in range(n):
+            piece = max(0, min(share, recv_counts[i] - start))
+            if i != me and piece:
+                theirs = _typed(group.stage(i, half), send.dtype, share * n)
+                recv[recv_offsets[i] + start : recv_offsets[i] + start + piece] = theirs[me * share : me * share + piece]
+    group.barrier()

@@ -1,0 +1,137 @@
+"""The collective algorithms one process set uses: the TCP ring, or shared memory.
+
+The executor asks for a process set's ``Collectives`` and calls the same methods
+whichever transport is underneath: sets whose ranks all share this machine's memory
+domain use ``collectives.shm_ops``; every other set uses the ring and point-to-point
+algorithms over the mesh's TCP links.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from hora.collectives import adasum, pointwise, ring, shm_ops
+from hora.collectives.channel import Channel
+from hora.collectives.reduce import Reducer
+from hora.collectives.ring import Bounds
+
+
+class Collectives(Protocol):
+    """The collectives of one process set, on flat buffers."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the set."""
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the set."""
+
+    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        """Reduces ``buffer`` in place; every rank gets the result."""
+
+    def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
+        """Adasum-reduces each tensor of ``buffer`` in place."""
+
+    @property
+    def reads_only(self) -> bool:
+        """True when ``reduce_scatter`` leaves its ``data`` untouched (no copy needed)."""
+
+    def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
+        """Reduces ``data`` (which may be modified unless ``reads_only``); ``output`` gets this rank's segment."""
+
+    def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
+        """Fills every rank's segment of ``buffer`` (this rank's is filled on entry)."""
+
+    def broadcast(self, buffer: np.ndarray, root: int) -> None:
+        """Copies ``buffer`` from ``root`` to every rank."""
+
+    def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
+        """Sends segment ``j`` of ``send`` to rank ``j``; receives segment ``i`` of ``recv`` from rank ``i``."""
+
+
+class TcpCollectives:
+    """Ring and point-to-point algorithms over a channel of TCP links.
+
+    Args:
+        channel: the set's channel.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    @property
+    def rank(self) -> int:
+        return self._channel.rank
+
+    @property
+    def size(self) -> int:
+        return self._channel.size
+
+    @property
+    def reads_only(self) -> bool:
+        return False  # the ring reduces in place
+
+    def _scratch_for(self, count: int, dtype: np.dtype[np.generic]) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(max(nbytes, self._scratch.size * 2), dtype=np.uint8)
+        return self._scratch[:nbytes].view(dtype)
+
+    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        # The ring receives at most one segment (a 1/size share, rounded up) at a time.
+        scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
+        ring.allreduce(self._channel, buffer, reduce, scratch)
+
+    def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
+        adasum.allreduce(self._channel, buffer, tensors)
+
+    def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
+        scratch = self._scratch_for(max((length for _, length in bounds), default=0), data.dtype)
+        ring.reduce_scatter(self._channel, data, bounds, reduce, scratch)
+        offset, length = bounds[self.rank]
+        output[...] = data[offset : offset + length]
+
+    def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
+        ring.allgather(self._channel, buffer, bounds)
+
+    def broadcast(self, buffer: np.ndarray, root: int) -> None:
+        pointwise.broadcast(self._channel, buffer, root)
+
+    def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
+        pointwise.alltoall(self._channel, send, send_counts, recv, recv_counts)
+
+
+class SharedCollectives(TcpCollectives):
+    """Shared-memory algorithms for a set on one machine (Adasum stays on TCP links).
+
+    Args:
+        group: the set's shared-memory group.
+        channel: the set's TCP channel, for Adasum.
+    """
+
+    def __init__(self, group: shm_ops.SharedGroup, channel: Channel) -> None:
+        super().__init__(channel)
+        self._group = group
+
+    @property
+    def reads_only(self) -> bool:
+        return True
+
+    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        shm_ops.allreduce(self._group, buffer, reduce)
+
+    def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
+        shm_ops.reduce_scatter(self._group, data, bounds, reduce, output)
+
+    def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
+        shm_ops.allgather(self._group, buffer, bounds)
+
+    def broadcast(self, buffer: np.ndarray, root: int) -> None:
+        shm_ops.broadcast(self._group, buffer, root)
+
+    def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
+        shm_ops.alltoall(self._group, send, send_counts, recv, recv_counts)

@@ -1,0 +1,85 @@
+"""Setting up shared memory among the ranks of one machine, over the mesh.
+
+Runs once at ``init``, after the mesh is connected and before the engine starts. The
+ranks of a domain (same host name, same machine) agree in two all-to-all rounds of
+one status byte each, over their data links:
+
+1. each rank created its own segment (or failed to);
+2. each rank mapped every peer's segment (or failed to).
+
+After the second round every segment is mapped everywhere, so each rank removes its
+segment's name at once (the memory lives on until the last rank unmaps it).
+
+A failure anywhere shows in every rank's statuses alike, so the whole domain falls
+back to TCP together; there is never a rank that uses shared memory with a peer that
+does not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from hora.transport import shm, tcp
+from hora.transport.mesh import Mesh
+
+log = logging.getLogger("hora.transport")
+
+
+def domain_ranks(mesh: Mesh) -> list[int]:
+    """The ranks sharing this rank's host name and machine, sorted (this rank included)."""
+    mine = (mesh.hosts[mesh.rank], mesh.machines[mesh.rank])
+    return [r for r in range(mesh.size) if (mesh.hosts[r], mesh.machines[r]) == mine]
+
+
+def _all_ok(mesh: Mesh, peers: list[int], ok: bool) -> bool:
+    """Exchanges one status byte with every peer; True when every rank's byte was 1."""
+    mine = np.array([1 if ok else 0], dtype=np.uint8)
+    theirs = {peer: np.zeros(1, dtype=np.uint8) for peer in peers}
+    tcp.exchange(
+        [(mesh.data[peer], mine.data) for peer in peers],
+        [(mesh.data[peer], buffer.data) for peer, buffer in theirs.items()],
+    )
+    return ok and all(int(buffer[0]) == 1 for buffer in theirs.values())
+
+
+def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: int) -> shm.Domain | None:
+    """Maps the shared segments of this machine's ranks.
+
+    Args:
+        mesh: the connected mesh (its data links carry the status bytes).
+        secret: the job secret (segment names derive from it).
+        generation: the job's initialization count.
+        staging_bytes: each rank's staging area (two halves).
+
+    Returns:
+        The domain, or None when this rank has no local peers or shared memory is
+        unavailable to any rank of the domain (they all fall back to TCP).
+    """
+    ranks = domain_ranks(mesh)
+    peers = [r for r in ranks if r != mesh.rank]
+    if not peers:
+        return None
+    domain: shm.Domain | None = None
+    half = max(4096, staging_bytes // 2 // 4096 * 4096)
+    try:
+        domain = shm.Domain(shm.job_key(secret), generation, ranks, mesh.rank, half) if shm.supported() else None
+    except OSError as exc:
+        log.warning("hora: rank %d cannot create its shared memory segment (%s); using TCP", mesh.rank, exc)
+    if not _all_ok(mesh, peers, domain is not None):
+        if domain is not None:
+            domain.close()
+        return None
+    assert domain is not None
+    try:
+        domain.attach()
+        attached = True
+    except OSError as exc:
+        log.warning("hora: rank %d cannot map a peer's shared memory (%s); using TCP", mesh.rank, exc)
+        attached = False
+    if not _all_ok(mesh, peers, attached):
+        domain.close()
+        return None
+    domain.unlink()
+    return domain

@@ -1,0 +1,245 @@
+"""Shared memory between the ranks of one job on one machine.
+
+Each rank of a *domain* (the job's ranks on one machine) owns one segment: a file in
+``/dev/shm`` mapped into every local rank's memory. A segment holds
+
+* a header: ``arrive[k]``, the number of barriers this rank has passed with domain
+  rank ``k``, and ``sleeping``, set while this rank blocks; and
+* a staging area in two halves, through which collectives move data (double
+  buffering: a collective alternates halves, so it never waits for readers of the
+  half it is about to fill).
+
+Barriers are pairwise counters. Every collective two ranks share runs in the same
+order on both (the coordinator's invariant), so ``arrive[me][k]`` and ``arrive[k][me]``
+advance in step; a barrier with peers ``P`` bumps ``arrive[me][k]`` for each ``k`` in
+``P`` and waits until each ``arrive[k][me]`` has caught up. Each counter has one
+writer, so no atomic operations are needed. This relies on stores becoming visible
+in program order (x86-64's memory model); on other machines the domain is not used
+and ranks fall back to TCP.
+
+Waiting spins briefly (a few microseconds: cross-process wake-ups through the kernel
+cost tens of microseconds here) and then blocks: the waiter sets ``sleeping`` and
+sleeps on an abstract Unix datagram socket; a rank that advances a counter sends one
+byte to every sleeping peer. Wake-up bytes carry no data, so a stray datagram can only
+cause a re-check. A blocked wait also reads the control links (an abort ends it) and
+backs off its own timeout, so a lost wake-up costs milliseconds, never a hang.
+
+Segments are unlinked as soon as every local rank has mapped them: the memory lives
+until the last rank unmaps it, and a rank killed with SIGKILL leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import platform
+import select
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hora.transport.tcp import Watch
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 64 * 1024  # room for 8,000 local ranks' counters, page aligned
+SPIN_SECONDS = 50e-6  # spin this long before blocking
+_SLEEP_MIN_MS = 1.0
+_SLEEP_MAX_MS = 100.0
+_SLEEPING = HEADER_BYTES // 8 - 1  # index of the sleeping flag in the int64 header
+
+
+def supported() -> bool:
+    """True where hora's shared-memory protocol is safe (a store-ordered CPU, /dev/shm)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def machine_id() -> str:
+    """Identifies this machine's kernel instance: ranks that share it can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def job_key(secret: bytes) -> str:
+    """A name prefix unique to one job (derived from its secret, which it does not reveal)."""
+    return "hora-" + hashlib.sha256(b"hora-shm" + secret).hexdigest()[:16]
+
+
+def segment_name(key: str, generation: int, rank: int) -> str:
+    return f"{key}-{generation}-{rank}"
+
+
+class Segment:
+    """One rank's shared segment: a file under /dev/shm, mapped.
+
+    Args:
+        name: the file name under /dev/shm.
+        size: its size in bytes.
+        create: make the file (this rank's own segment) rather than open a peer's.
+    """
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise OSError(f"shared segment {name} has {os.fstat(fd).st_size} bytes, expected {size}")
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.counters = np.frombuffer(self.map, dtype=np.int64, count=HEADER_BYTES // 8)
+        self.size = size
+
+    def stage(self, half: int, half_bytes: int) -> np.ndarray:
+        """Returns one half of the staging area as bytes."""
+        offset = HEADER_BYTES + half * half_bytes
+        return np.frombuffer(self.map, dtype=np.uint8, count=half_bytes, offset=offset)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.counters = np.empty(0, dtype=np.int64)  # drop the view before unmapping
+        with contextlib.suppress(BufferError):
+            self.map.close()
+
+
+class Domain:
+    """The job's ranks on this machine, connected through shared memory.
+
+    Args:
+        key: the job's name prefix (``job_key``).
+        generation: the job's initialization count, part of every name.
+        ranks: the global ranks in the domain, sorted; ``me`` is one of them.
+        me: this process's global rank.
+        half_bytes: the size of each staging half.
+
+    Raises:
+        OSError: the segment or the wake-up socket could not be made.
+    """
+
+    def __init__(self, key: str, generation: int, ranks: Sequence[int], me: int, half_bytes: int) -> None:
+        self.ranks = tuple(ranks)
+        self.me = me
+        self.index = self.ranks.index(me)
+        self.half_bytes = half_bytes
+        self._key = key
+        self._generation = generation
+        self._size = HEADER_BYTES + 2 * half_bytes
+        self.segments: dict[int, Segment] = {}
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.setblocking(False)
+        try:
+            self._wake.bind(self._address(me))
+            self.segments[me] = Segment(segment_name(key, generation, me), self._size, create=True)
+        except BaseException:
+            self.close()
+            raise
+        self._arrived = self.segments[me].counters  # row ``me``: written only by this rank
+        self.watch: Watch | None = None
+
+    def _address(self, rank: int) -> str:
+        return "\0" + segment_name(self._key, self._generation, rank)
+
+    def attach(self) -> None:
+        """Maps every peer's segment (after every peer created its own)."""
+        for rank in self.ranks:
+            if rank not in self.segments:
+                self.segments[rank] = Segment(segment_name(self._key, self._generation, rank), self._size, create=False)
+
+    def unlink(self) -> None:
+        """Removes this rank's segment name (after every peer mapped it)."""
+        self.segments[self.me].unlink()
+
+    def stage(self, rank: int, half: int) -> np.ndarray:
+        """The staging half ``half`` of ``rank``'s segment, as bytes."""
+        return self.segments[rank].stage(half, self.half_bytes)
+
+    def barrier(self, peers: Sequence[int]) -> None:
+        """Waits until every rank in ``peers`` (global ranks) has reached this barrier too.
+
+        Raises:
+            Exception: whatever the control-link watch raises (an abort, a lost peer).
+        """
+        me = self.index
+        indices = [self.ranks.index(p) for p in peers if p != self.me]
+        targets = []
+        for k in indices:
+            self._arrived[k] += 1
+            targets.append(int(self._arrived[k]))
+        for k in indices:
+            if self.segments[self.ranks[k]].counters[_SLEEPING]:
+                self._send_wake(self.ranks[k])
+        pending = [(self.segments[self.ranks[k]].counters, target) for k, target in zip(indices, targets)]
+        self._wait(lambda: all(counters[me] >= target for counters, target in pending))
+
+    def _send_wake(self, rank: int) -> None:
+        with contextlib.suppress(OSError):  # the peer's queue is full or it is gone: it re-checks anyway
+            self._wake.sendto(b"\0", self._address(rank))
+
+    def _wait(self, check: Callable[[], bool]) -> None:
+        if check():
+            return
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while time.perf_counter() < deadline:
+            if check():
+                return
+        sleeping = self.segments[self.me].counters
+        timeout = _SLEEP_MIN_MS
+        poller = select.poll()
+        poller.register(self._wake.fileno(), select.POLLIN)
+        watch = self.watch
+        if watch is not None:
+            for fd in watch.links:
+                poller.register(fd, select.POLLIN)
+        try:
+            while True:
+                sleeping[_SLEEPING] = 1
+                if check():
+                    return
+                events = poller.poll(timeout)
+                # Back off only when no wake-up came: a missed wake-up costs at most this.
+                timeout = _SLEEP_MIN_MS if events else min(timeout * 2, _SLEEP_MAX_MS)
+                for fd, _ in events:
+                    if fd == self._wake.fileno():
+                        with contextlib.suppress(OSError):
+                            while True:
+                                self._wake.recv(64)
+                    elif watch is not None and fd in watch.links:
+                        link = watch.links[fd]
+                        if link.pump():
+                            if link.closed_by_peer:
+                                del watch.links[fd]
+                                poller.unregister(fd)
+                            watch.on_frame(link)
+        finally:
+            sleeping[_SLEEPING] = 0
+
+    def close(self) -> None:
+        """Unmaps every segment and removes this rank's name if it is still there."""
+        own = self.segments.get(self.me)
+        if own is not None:
+            own.unlink()
+        for segment in self.segments.values():
+            segment.close()
+        self.segments.clear()
+        self._wake.close()
+
+
+def stale_segments(key: str) -> list[str]:
+    """Names under /dev/shm left by the job ``key`` (for a launcher's clean-up)."""
+    try:
+        return [name for name in os.listdir(SHM_DIR) if name.startswith(key + "-")]
+    except OSError:
+        return []
