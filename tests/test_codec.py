@@ -14,7 +14,8 @@ def test_request_and_response_round_trip():
         Request(3, RequestType.ALLTOALL, "alltoall.x", 2, 7, (4, 5), 1, 0, 0.5, 2.0, (1, 3), "grp", 2),
         Request(0, RequestType.ALLREDUCE, "allreduce.ünïcode", shape=()),
     ]
-    assert messages.decode_requests(messages.encode_requests(requests)) == requests
+    assert messages.decode_requests(messages.encode_requests(requests)) == (requests, [])
+    assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7])) == (requests, [4, 0, 7])
     responses = [
         Response(ResponseType.ALLREDUCE, ["a", "b"], 1, 7, 1, 0, 1.0, 0.25, [3, 4]),
         Response(ResponseType.ERROR, ["c"], error="allreduce 'c': shapes differ"),

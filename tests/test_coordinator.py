@@ -155,3 +155,63 @@ def test_stalls_name_missing_ranks():
     [stall] = c.stalls(60)
     assert stall.name == "a" and stall.missing == [1] and stall.waited == 100.0
     assert c.stalls(101) == []
+
+
+def test_cached_tensors_skip_validation_and_changes_are_caught(monkeypatch):
+    from hora.engine import validate
+
+    c = Coordinator(2, fusion_threshold=0, cache_capacity=2)
+    for rank in range(2):
+        c.submit(req(rank, "a"))
+    [(first, _)] = c.take()
+    assert first.cache_ids == [0]
+
+    def no_validation(*args, **kwargs):
+        raise AssertionError("a fully cached tensor was validated again")
+
+    with monkeypatch.context() as m:
+        m.setattr(validate, "construct", no_validation)
+        c.submit_cached(0, 0)
+        c.submit_cached(1, 0)
+        [(again, _)] = c.take()
+    assert (again.type, again.names, again.sizes, again.cache_ids) == (first.type, ["a"], [4], [0])
+    # Rank 0 changes the shape; rank 1 sends its unchanged tensor by id: the mismatch is caught.
+    c.submit(req(0, "a", shape=(5,)))
+    c.submit_cached(1, 0)
+    [(error, _)] = c.take()
+    assert error.type == ResponseType.ERROR
+    assert "shapes differ across ranks: rank 0: (5,), rank 1: (4,)" in error.error
+    # Past the capacity, new tensors negotiate in full and get no id.
+    for name in ("b", "c"):
+        for rank in range(2):
+            c.submit(req(rank, name))
+    assert [r.cache_ids for r, _ in c.take()] == [[1], [-1]]
+    with pytest.raises(Exception, match="unknown cache id 7"):
+        c.submit_cached(0, 7)
+
+
+def test_a_consistent_change_updates_the_cache():
+    c = Coordinator(2, fusion_threshold=0)
+    for shape in ((4,), (6,)):
+        for rank in range(2):
+            c.submit(req(rank, "a", shape=shape))
+        [(response, _)] = c.take()
+        assert response.sizes == [shape[0]] and response.cache_ids == [0]
+    c.submit_cached(0, 0)
+    c.submit_cached(1, 0)
+    [(response, _)] = c.take()
+    assert response.sizes == [6]
+
+
+def test_rank_cache_sends_ids_only_for_unchanged_requests():
+    from hora.engine.cache import RankCache
+
+    cache = RankCache()
+    a = req(0, "a")
+    assert cache.lookup(a) is None
+    cache.learn(a, 3)
+    assert cache.lookup(req(0, "a")) == 3
+    assert cache.lookup(req(0, "a", shape=(5,))) is None
+    assert cache.lookup(req(0, "a", process_set_id=1)) is None
+    cache.learn(req(0, "b"), -1)
+    assert cache.lookup(req(0, "b")) is None

@@ -213,3 +213,35 @@ def test_a_rank_that_shuts_down_leaves_and_the_others_go_on(leaver):
         for key in ("pending", "later"):
             assert f"rank {leaver} of its process set has shut down" in out[key], out[key]
         assert out["others"] == [[3.0]] * 3
+
+
+def cache_job() -> list:
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    for step in range(5):  # the same tensors every step: negotiated by cache id after the first
+        out.append(hvd.grouped_allreduce([np.full(3, me + step), np.full(2, 1.0)], name="grads", op=hvd.Sum))
+    for _ in range(2):
+        hvd.allreduce(np.ones(3), name="x", op=hvd.Sum)  # cached after the first time
+    try:  # one rank changes the cached tensor's shape: the cache must not hide the mismatch
+        hvd.allreduce(np.ones(4 if me == 1 else 3), name="x", op=hvd.Sum)
+        out.append("no error")
+    except hvd.CollectiveMismatchError as exc:
+        out.append(str(exc))
+    out.append(hvd.allreduce(np.ones(5), name="after", op=hvd.Sum))
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("capacity", ["1024", "0"])
+@pytest.mark.timeout(60)
+def test_response_cache_is_transparent(capacity):
+    results = run_ranks(2, cache_job, env={"HORA_CACHE_CAPACITY": capacity})
+    for out in results:
+        for step in range(5):
+            assert out[step][0].tolist() == [float(2 * step + 1)] * 3
+            assert out[step][1].tolist() == [2.0, 2.0]
+        assert "shapes differ across ranks: rank 0: (3,), rank 1: (4,)" in out[5]
+        assert out[6].tolist() == [2.0] * 5

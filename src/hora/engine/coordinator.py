@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 
 from hora.engine import fusion, validate
+from hora.engine.cache import CoordinatorCache
 from hora.engine.messages import Request, RequestType, Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
+from hora.errors import ProtocolError
 
 GLOBAL = 0
 
@@ -32,6 +34,7 @@ GLOBAL = 0
 class _Pending:
     requests: dict[int, Request]
     first_seen: float
+    cached: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> cache id it sent
 
 
 @dataclasses.dataclass
@@ -50,11 +53,19 @@ class Coordinator:
     Args:
         size: the number of ranks in the job.
         fusion_threshold: the largest fused allreduce in bytes (0 disables fusion).
+        cache_capacity: how many tensors the response cache holds (0 disables it).
         clock: returns seconds; injectable for tests.
     """
 
-    def __init__(self, size: int, fusion_threshold: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        size: int,
+        fusion_threshold: int,
+        cache_capacity: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.size = size
+        self.cache = CoordinatorCache(cache_capacity)
         self.sets = ProcessSetTable(size)
         self._fusion_threshold = fusion_threshold
         self._clock = clock
@@ -66,7 +77,19 @@ class Coordinator:
         self._last_joined = -1
         self._next_set_id = 1
 
-    def submit(self, request: Request) -> None:
+    def submit_cached(self, rank: int, cache_id: int) -> None:
+        """Records that ``rank`` submitted, unchanged, the tensor cached under ``cache_id``.
+
+        Raises:
+            ProtocolError: the id is unknown for this rank.
+        """
+        try:
+            request = self.cache.request(rank, cache_id)
+        except (IndexError, KeyError):
+            raise ProtocolError(f"rank {rank} sent unknown cache id {cache_id}") from None
+        self.submit(request, cache_id)
+
+    def submit(self, request: Request, cache_id: int = -1) -> None:
         """Records one rank's request; what becomes ready is returned by ``take``."""
         if request.type == RequestType.JOIN:
             self._join(request.rank)
@@ -87,6 +110,8 @@ class Coordinator:
         if pending is None:
             pending = self._pending[key] = _Pending({}, self._clock())
         pending.requests[request.rank] = request
+        if cache_id >= 0:
+            pending.cached[request.rank] = cache_id
         self._check_ready(key, pending, members)
 
     def depart(self, rank: int) -> None:
@@ -147,11 +172,20 @@ class Coordinator:
             return
         del self._pending[key]
         requests = [pending.requests[rank] for rank in sorted(pending.requests)]
-        response = validate.construct(requests, members, self._joined)
-        if response.type == ResponseType.ADD_PROCESS_SET:
-            response = self._add_set(response)
-        elif response.type == ResponseType.REMOVE_PROCESS_SET:
-            response = self._remove_set(response)
+        ids = set(pending.cached.values())
+        if len(ids) == 1 and len(pending.cached) == len(requests) and not self._joined.intersection(members):
+            # Every rank sent the same tensor unchanged: reuse the validated response.
+            cache_id = ids.pop()
+            response = self.cache.response(cache_id)
+            response.cache_ids = [cache_id]
+        else:
+            response = validate.construct(requests, members, self._joined)
+            if response.type == ResponseType.ADD_PROCESS_SET:
+                response = self._add_set(response)
+            elif response.type == ResponseType.REMOVE_PROCESS_SET:
+                response = self._remove_set(response)
+            if response.type not in (ResponseType.ERROR, ResponseType.ABORTED):
+                response.cache_ids = [self.cache.record(key, requests, response)]
         group = requests[0].group
         if group:
             held = self._groups.setdefault((key[0], group), [])

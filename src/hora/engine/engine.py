@@ -53,6 +53,10 @@ from hora.transport.tcp import Link, LinkClosed, Watch, encode_frame
 log = logging.getLogger("hora")
 
 ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of the failure
+# After doing work the engine polls without blocking for this long before it sleeps: the
+# next request or response usually follows within microseconds, and a kernel wake-up of a
+# sleeping thread costs tens of microseconds on small machines. Idle, it does not spin.
+SPIN_AFTER_WORK = 100e-6
 LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
 
 
@@ -79,7 +83,9 @@ class Engine:
         self._wake_w.setblocking(False)
         self.queue = TensorQueue(self._wake)
         self.sets = ProcessSetTable(self.size)
-        self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 else None
+        self._coordinator = (
+            Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
+        )
         self._stall = StallInspector(config) if self._coordinator is not None else None
         self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
         self._watch = Watch(list(self._links.values()), self._check_urgent)
@@ -91,9 +97,11 @@ class Engine:
         self._responses: deque[Response] = deque()
         self._poller = select.poll()
         self._poller.register(self._wake_r.fileno(), select.POLLIN)
-        for link in self._links.values():
-            self._poller.register(link.fileno(), select.POLLIN)
+        self._by_fd = {link.fileno(): link for link in self._links.values()}
+        for fd in self._by_fd:
+            self._poller.register(fd, select.POLLIN)
         self._stop_requested = False
+        self._last_work = 0.0  # perf_counter time the loop last did something
         self._leaving_since: float | None = None  # set once this rank began to leave
         self._lingering_noted = False
         self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
@@ -151,11 +159,13 @@ class Engine:
                     self._leave()
                     return
             new = self.queue.drain()
+            if new or self._responses:
+                self._last_work = time.perf_counter()
             if new and self._config.cycle_time_ms > 0:
                 time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
                 new += self.queue.drain()
             if new:
-                self._announce([entry.request for entry in new])
+                self._announce(new)
             if self._coordinator is not None:
                 self._distribute(self._coordinator.take())
             while self._responses:
@@ -179,15 +189,25 @@ class Engine:
                 self._lingering_noted = True
                 waiting = ", ".join(map(str, sorted(self._links)))
                 log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
-        for fd, _ in self._poller.poll(timeout_ms):
+        events = self._poller.poll(0)
+        if not events and timeout_ms != 0:
+            spin_until = self._last_work + SPIN_AFTER_WORK
+            while not events and time.perf_counter() < spin_until:
+                events = self._poller.poll(0)
+            if not events:
+                events = self._poller.poll(timeout_ms)
+        if events:
+            self._last_work = time.perf_counter()
+        for fd, _ in events:
             if fd == self._wake_r.fileno():
                 self._drain_wake()
                 continue
-            for link in self._links.values():
-                if link.fileno() == fd:
-                    link.pump()
-                    if link.closed_by_peer:
-                        self._poller.unregister(fd)
+            link = self._by_fd.get(fd)
+            if link is not None:
+                link.pump()
+                if link.closed_by_peer:
+                    self._poller.unregister(fd)
+                    del self._by_fd[fd]
 
     def _drain_wake(self) -> None:
         try:
@@ -216,10 +236,13 @@ class Engine:
             self._coordinator.depart(link.peer)
             self._drop(link)  # closing our end tells the worker it may go
         elif self._coordinator is not None and kind == messages.REQUESTS:
-            for request in messages.decode_requests(payload):
+            requests, cached = messages.decode_requests(payload)
+            for request in requests:
                 if request.rank != link.peer:
                     raise ProtocolError(f"rank {link.peer} sent a request in the name of rank {request.rank}")
                 self._coordinator.submit(request)
+            for cache_id in cached:
+                self._coordinator.submit_cached(link.peer, cache_id)
         elif self._coordinator is None and kind == messages.RESPONSES:
             self._responses.extend(messages.decode_responses(payload))
         else:
@@ -235,12 +258,24 @@ class Engine:
         if link.closed_by_peer and link.peer not in self._farewells:
             raise _JobFailed(self._lost(link, link.close_detail))
 
-    def _announce(self, requests: list[messages.Request]) -> None:
+    def _announce(self, entries: list[Entry]) -> None:
+        """Tells the coordinator about new tensors: unchanged cached ones by id only."""
+        requests: list[messages.Request] = []
+        cached: list[int] = []
+        for entry in entries:
+            cache_id = self._executor.cache.lookup(entry.request)
+            if cache_id is None:
+                requests.append(entry.request)
+            else:
+                cached.append(cache_id)
         if self._coordinator is not None:
             for request in requests:
                 self._coordinator.submit(request)
+            for cache_id in cached:
+                self._coordinator.submit_cached(self.rank, cache_id)
         else:
-            self._links[0].send_frame(messages.REQUESTS, messages.encode_requests(requests), self._watch)
+            payload = messages.encode_requests(requests, cached)
+            self._links[0].send_frame(messages.REQUESTS, payload, self._watch)
 
     def _distribute(self, ready: list[tuple[Response, tuple[int, ...]]]) -> None:
         by_rank: dict[int, list[Response]] = {}
@@ -275,10 +310,11 @@ class Engine:
         """Forgets a control link whose peer has left, and closes it."""
         self._links.pop(link.peer, None)
         self._watch.links.pop(link.fileno(), None)
-        try:
-            self._poller.unregister(link.fileno())
-        except (KeyError, ValueError):
-            pass  # already unregistered when the peer hung up
+        if self._by_fd.pop(link.fileno(), None) is not None:
+            try:
+                self._poller.unregister(link.fileno())
+            except (KeyError, ValueError):
+                pass  # already unregistered when the peer hung up
         link.close()
 
     # ----- endings -----
@@ -288,8 +324,7 @@ class Engine:
         self._leaving_since = time.monotonic()
         self.queue.seal(internal_error(f"hora has shut down on rank {self.rank}"))
         if self._coordinator is not None:
-            for entry in self.queue.drain():
-                self._coordinator.submit(entry.request)
+            self._announce(self.queue.drain())
             self._coordinator.depart(self.rank)
 
     def _leave(self) -> None:

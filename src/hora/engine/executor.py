@@ -17,6 +17,7 @@ import numpy as np
 
 from hora.collectives import ring
 from hora.engine.algorithms import Collectives
+from hora.engine.cache import RankCache
 from hora.collectives.reduce import SUM, DataType, reducer, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
@@ -45,6 +46,7 @@ class Executor:
         self.sets = sets
         self.queue = queue
         self._collectives_for = collectives_for
+        self.cache = RankCache()
         self._fusion = np.empty(0, dtype=np.uint8)
 
     def run(self, response: Response) -> None:
@@ -79,7 +81,7 @@ class Executor:
         if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             self._allreduce(response, channel)
             return
-        entry = self.queue.pop(response.process_set_id, response.names[0])
+        entry = self._take(response, 0)
         if entry is None:
             raise RuntimeError(f"hora internal error: no local tensor for {kind.name.lower()} '{response.names[0]}'")
         if kind == ResponseType.ALLGATHER:
@@ -92,6 +94,13 @@ class Executor:
             self._reducescatter(response, channel, entry)
         else:
             raise RuntimeError(f"hora internal error: cannot execute {kind.name}")
+
+    def _take(self, response: Response, index: int) -> Entry | None:
+        """Removes the entry of ``response.names[index]`` and learns its cache id."""
+        entry = self.queue.pop(response.process_set_id, response.names[index])
+        if entry is not None and index < len(response.cache_ids):
+            self.cache.learn(entry.request, response.cache_ids[index])
+        return entry
 
     def _complete(self, response: Response, name: str, result: object) -> None:
         entry = self.queue.pop(response.process_set_id, name)
@@ -111,7 +120,7 @@ class Executor:
         """Allreduce or Adasum of one or more tensors (fused when several)."""
         dtype = DataType(response.dtype)
         reduce = reducer(SUM if response.type == ResponseType.ADASUM else response.reduce_op, dtype)
-        entries = [self.queue.pop(response.process_set_id, name) for name in response.names]
+        entries = [self._take(response, index) for index in range(len(response.names))]
         only = entries[0] if len(entries) == 1 else None
         if only is not None and only.output is not None and only.input is not None:
             # One tensor: reduce in its own output buffer, no packing copy.

@@ -55,6 +55,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
             fused, used = current
             fused.names.extend(response.names)
             fused.sizes.extend(response.sizes)
+            fused.cache_ids.extend(response.cache_ids)
             open_by_kind[kind] = (fused, used + size)
             continue
         fused = Response(
@@ -66,6 +67,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
             prescale=response.prescale,
             postscale=response.postscale,
             sizes=list(response.sizes),
+            cache_ids=list(response.cache_ids),
         )
         out.append(fused)
         open_by_kind[kind] = (fused, size)

@@ -141,6 +141,7 @@ class Response:
             rank's tensor, tensor-major; ALLTOALL: the splits matrix, row = sender;
             ADD_PROCESS_SET: the set's ranks.
         error: the message, for ERROR responses.
+        cache_ids: the response-cache id of each tensor in ``names`` (-1: none).
     """
 
     type: ResponseType
@@ -153,13 +154,14 @@ class Response:
     postscale: float = 1.0
     sizes: list[int] = dataclasses.field(default_factory=list)
     error: str = ""
+    cache_ids: list[int] = dataclasses.field(default_factory=list)
 
     def encode(self, writer: Writer) -> None:
         writer.u8(self.type).u32(len(self.names))
         for name in self.names:
             writer.string(name)
         writer.u32(self.process_set_id).u8(self.dtype).u8(self.reduce_op).i64(self.root_rank)
-        writer.f64(self.prescale).f64(self.postscale).i64s(self.sizes).string(self.error)
+        writer.f64(self.prescale).f64(self.postscale).i64s(self.sizes).string(self.error).i64s(self.cache_ids)
 
     @classmethod
     def decode(cls, reader: Reader) -> Response:
@@ -176,21 +178,26 @@ class Response:
             postscale=reader.f64(),
             sizes=reader.i64s(),
             error=reader.string(),
+            cache_ids=reader.i64s(),
         )
 
 
-def encode_requests(requests: list[Request]) -> bytes:
+def encode_requests(requests: list[Request], cached: list[int] | None = None) -> bytes:
+    """Encodes full requests and, for tensors sent unchanged, their cache ids."""
     writer = Writer().u32(len(requests))
     for request in requests:
         request.encode(writer)
+    writer.i64s(cached or [])
     return writer.bytes()
 
 
-def decode_requests(payload: bytes) -> list[Request]:
+def decode_requests(payload: bytes) -> tuple[list[Request], list[int]]:
+    """Returns (full requests, cache ids)."""
     reader = Reader(payload)
     requests = [Request.decode(reader) for _ in range(reader.count())]
+    cached = reader.i64s()
     reader.done()
-    return requests
+    return requests, cached
 
 
 def encode_responses(responses: list[Response]) -> bytes:
