@@ -278,9 +278,12 @@ def large_job(staging_mb: int) -> list[str]:
     return problems
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.timeout(240)
-def test_large_buffers_through_small_staging_areas(size):
-    results = run_ranks(size, large_job, 1, timeout=200, env={"HORA_SHM_STAGING_MB": "1"})
+def test_large_buffers(size, transport):
+    """Many staging rounds (shared memory) or many pipeline chunks (TCP), with ragged ends."""
+    env = {"HORA_SHM_STAGING_MB": "1", **TRANSPORTS[transport]}
+    results = run_ranks(size, large_job, 1, timeout=200, env=env)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hora.collectives import adasum, pointwise, ring, shm_ops
+from hora.collectives import adasum, pipeline, pointwise, ring, shm_ops
 from hora.collectives.channel import Channel
 from hora.collectives.reduce import Reducer
 from hora.collectives.ring import Bounds
@@ -52,14 +52,24 @@ class Collectives(Protocol):
         """Sends segment ``j`` of ``send`` to rank ``j``; receives segment ``i`` of ``recv`` from rank ``i``."""
 
 
+class StreamingChannel(Channel, Protocol):
+    """A channel that also offers its ring neighbours as a stream (for the pipelined ring)."""
+
+    def ring_stream(self) -> pipeline.RingStream:
+        """This rank's non-blocking links to its right and left neighbours."""
+
+
 class TcpCollectives:
     """Ring and point-to-point algorithms over a channel of TCP links.
+
+    Allreduces larger than one pipeline chunk use the pipelined ring; smaller ones the
+    plain ring, which has less bookkeeping per byte.
 
     Args:
         channel: the set's channel.
     """
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: StreamingChannel) -> None:
         self._channel = channel
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -82,6 +92,9 @@ class TcpCollectives:
         return self._scratch[:nbytes].view(dtype)
 
     def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        if buffer.nbytes > pipeline.CHUNK_BYTES * self.size:
+            pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
+            return
         # The ring receives at most one segment (a 1/size share, rounded up) at a time.
         scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
         ring.allreduce(self._channel, buffer, reduce, scratch)
@@ -113,7 +126,7 @@ class SharedCollectives(TcpCollectives):
         channel: the set's TCP channel, for Adasum.
     """
 
-    def __init__(self, group: shm_ops.SharedGroup, channel: Channel) -> None:
+    def __init__(self, group: shm_ops.SharedGroup, channel: StreamingChannel) -> None:
         super().__init__(channel)
         self._group = group
 

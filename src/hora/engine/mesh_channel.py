@@ -36,6 +36,11 @@ class MeshChannel:
     def _link(self, peer: int) -> tcp.Link:
         return self._links[self._ranks[peer]]
 
+    def ring_stream(self) -> tcp.RingLinks:
+        """This rank's links to its right and left neighbours in the set's ring."""
+        n = len(self._ranks)
+        return tcp.RingLinks(self._link((self._rank + 1) % n), self._link((self._rank - 1) % n), self._watch)
+
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
         tcp.exchange(
             [(self._link(peer), buffer.data) for peer, buffer in sends if buffer.size],

@@ -314,16 +314,20 @@ def exchange(
         incoming = [t for t in incoming if t.pending]
         if not outgoing and not incoming:
             return
-        _wait(outgoing, incoming, watch)
+        wait([t.link for t in outgoing], [t.link for t in incoming], watch)
 
 
-def _wait(outgoing: list[_Transfer], incoming: list[_Transfer], watch: Watch | None) -> None:
+def wait(sending: Sequence[Link], receiving: Sequence[Link], watch: Watch | None) -> None:
+    """Blocks until a link in ``sending`` can send or one in ``receiving`` has data.
+
+    Meanwhile the watched control links are read; ``watch.on_frame`` may raise.
+    """
     masks: dict[int, int] = {}
-    for transfer in outgoing:
-        fd = transfer.link.fileno()
+    for link in sending:
+        fd = link.fileno()
         masks[fd] = masks.get(fd, 0) | _POLL_OUT
-    for transfer in incoming:
-        fd = transfer.link.fileno()
+    for link in receiving:
+        fd = link.fileno()
         masks[fd] = masks.get(fd, 0) | _POLL_IN
     if watch is not None:
         for fd in watch.links:
@@ -340,6 +344,44 @@ def _wait(outgoing: list[_Transfer], incoming: list[_Transfer], watch: Watch | N
                 if link.closed_by_peer:
                     del watch.links[fd]  # at EOF it would poll readable forever
                 watch.on_frame(link)
+
+
+class RingLinks:
+    """A rank's place in a ring: non-blocking sends to the right, receives from the left.
+
+    Implements ``collectives.pipeline.RingStream``. ``right`` and ``left`` may be one link
+    (a ring of two ranks).
+    """
+
+    def __init__(self, right: Link, left: Link, watch: Watch | None) -> None:
+        self._right = right
+        self._left = left
+        self._watch = watch
+
+    def send(self, data: memoryview) -> int:
+        try:
+            return self._right.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            raise LinkClosed(self._right, _describe(exc)) from None
+
+    def recv_into(self, data: memoryview) -> int:
+        if not len(data):
+            return 0
+        try:
+            received = self._left.sock.recv_into(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            raise LinkClosed(self._left, _describe(exc)) from None
+        if received == 0:
+            self._left.closed_by_peer = True
+            raise LinkClosed(self._left, CLOSED)
+        return received
+
+    def wait(self, sending: bool, receiving: bool) -> None:
+        wait([self._right] if sending else [], [self._left] if receiving else [], self._watch)
 
 
 def _describe(exc: OSError) -> str:
