@@ -69,6 +69,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     check: bool = True,
     during: Callable[[RendezvousServer], None] | None = None,
+    hosts: list[str] | None = None,
 ) -> list[Any] | list[RankResult]:
     """Runs ``fn(*args)`` on ``size`` ranks.
 
@@ -78,6 +79,8 @@ def run_ranks(
         a RankResult per rank.
 
     ``during(server)``, when given, runs in the test process while the ranks run.
+    ``hosts``, when given, names each rank's host (``HORA_HOSTNAME``) with local and
+    cross ranks to match: ranks given different host names act as different hosts.
     """
     secret = auth.new_secret()
     server = RendezvousServer(secret).start()
@@ -89,7 +92,7 @@ def run_ranks(
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "rank_main", str(workdir)],
-                    env=rank_env(rank, size, server.port, secret, env),
+                    env=rank_env(rank, size, server.port, secret, {**(env or {}), **_host_env(rank, hosts)}),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -131,3 +134,21 @@ def run_ranks(
         )
         raise JobFailed(f"job of {size} ranks failed:\n{report}")
     return [r.value for r in results]
+
+
+def _host_env(rank: int, hosts: list[str] | None) -> dict[str, str]:
+    """Topology variables for ``rank`` when ranks are spread over named hosts."""
+    if hosts is None:
+        return {}
+    me = hosts[rank]
+    local = [r for r, host in enumerate(hosts) if host == me]
+    local_rank = local.index(rank)
+    # The hosts that have a rank with this local rank, in order of first appearance.
+    cross = [host for host in dict.fromkeys(hosts) if hosts.count(host) > local_rank]
+    return {
+        "HORA_HOSTNAME": me,
+        "HORA_LOCAL_RANK": str(local_rank),
+        "HORA_LOCAL_SIZE": str(len(local)),
+        "HORA_CROSS_RANK": str(cross.index(me)),
+        "HORA_CROSS_SIZE": str(len(cross)),
+    }

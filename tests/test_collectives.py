@@ -287,3 +287,43 @@ def test_large_buffers(size, transport):
     results = run_ranks(size, large_job, 1, timeout=200, env=env)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems)
+
+
+def hierarchical_job() -> dict:
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    runtime = __import__("hora.api", fromlist=["current"]).current()
+    kind = type(runtime.engine._collectives_for(tuple(range(n)))).__name__
+    problems: list[str] = []
+    for count in (1, 7, 1000, 3 * (1 << 20) + 5):  # tiny, uneven, and many pipeline chunks
+        mine = np.arange(count, dtype=np.float64) + me
+        want = np.arange(count, dtype=np.float64) * n + sum(range(n))
+        _compare(f"sum {count}", hvd.allreduce(mine, op=hvd.Sum, name=f"s{count}"), want, np.dtype(np.float64), problems)
+    x = make(np.dtype(np.float32), me, (33, 5))
+    want = np.stack([make(np.dtype(np.float32), r, (33, 5)) for r in range(n)]).astype(np.float64).max(0)
+    _compare("max", hvd.allreduce(x, op=hvd.Max, name="max"), want, np.dtype(np.float32), problems)
+    gathered = hvd.allgather(np.array([me]), name="who")  # other collectives: the flat ring
+    if gathered.tolist() != list(range(n)):
+        problems.append(f"allgather {gathered}")
+    hvd.shutdown()
+    return {"kind": kind, "problems": problems}
+
+
+@pytest.mark.parametrize(
+    "hosts, kind",
+    [
+        (["a", "a", "b", "b"], "HierarchicalCollectives"),
+        (["a", "b", "a", "b"], "HierarchicalCollectives"),  # hosts interleaved in rank order
+        (["a", "a", "a", "b", "b", "b"], "HierarchicalCollectives"),
+        (["a", "a", "b"], "TcpCollectives"),  # uneven hosts: the flat ring
+        (["a", "b", "c"], "TcpCollectives"),  # one rank per host: the flat ring
+    ],
+)
+@pytest.mark.timeout(180)
+def test_hierarchical_allreduce_on_emulated_hosts(hosts, kind):
+    results = run_ranks(len(hosts), hierarchical_job, hosts=hosts, timeout=150)
+    for rank, result in enumerate(results):
+        assert result["kind"] == kind
+        assert result["problems"] == [], f"rank {rank}: {result['problems']}"

@@ -23,7 +23,7 @@ from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
 from hora.engine.queue import Entry
 from hora.errors import HoraInternalError
-from hora.transport.local import connect_domain
+from hora.transport.local import connect_domain, sharing_everywhere
 from hora.transport.mesh import Mesh, build_mesh
 from hora.transport.rendezvous import RendezvousClient, is_loopback
 
@@ -51,9 +51,11 @@ class Runtime:
         mesh = _connect(config, generation) if self.topology.size > 1 else None
         self.hosts: list[str] = mesh.hosts if mesh is not None else [self.topology.hostname]
         domain = None
+        sharing = None
         if mesh is not None and config.shared_memory and config.secret is not None:
             domain = connect_domain(mesh, config.secret, generation, config.shm_staging_bytes)
-        self.engine = Engine(config, mesh, domain)
+            sharing = sharing_everywhere(mesh, domain)
+        self.engine = Engine(config, mesh, domain, sharing)
         self.engine.start()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

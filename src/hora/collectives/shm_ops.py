@@ -108,7 +108,8 @@ def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduc
 
     Args:
         bounds: (offset, length) of each member's segment of ``buffer``.
-        output: ``bounds[rank][1]`` elements, filled with the reduced segment.
+        output: ``bounds[rank][1]`` elements, filled with the reduced segment; it may be
+            this member's segment of ``buffer`` itself.
     """
     n, me = group.size, group.rank
     own_offset, own_length = bounds[me]
@@ -127,15 +128,13 @@ def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduc
         group.barrier()
         piece = max(0, min(share, own_length - start))
         if piece:
-            contributions = [
-                buffer[own_offset + start : own_offset + start + piece]
-                if k == me
-                else stages[k][me * share : me * share + piece]
-                for k in range(n)
-            ]
+            # This rank's own contribution first: ``output`` may be its own segment of
+            # ``buffer`` (hierarchical allreduce reduces in place).
+            own = buffer[own_offset + start : own_offset + start + piece]
+            others = [stages[k][me * share : me * share + piece] for k in range(n) if k != me]
             target = output[start : start + piece]
-            reduce.into(contributions[0], contributions[1], target)
-            for contribution in contributions[2:]:
+            reduce.into(own, others[0], target)
+            for contribution in others[1:]:
                 reduce(target, contribution)
     group.barrier()
 

@@ -148,3 +148,33 @@ class SharedCollectives(TcpCollectives):
 
     def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
         shm_ops.alltoall(self._group, send, send_counts, recv, recv_counts)
+
+
+class HierarchicalCollectives(TcpCollectives):
+    """Allreduce across hosts in three stages; other collectives run over the flat TCP ring.
+
+    1. within each host, a shared-memory reduce-scatter leaves each local rank ``l``
+       with segment ``l`` reduced over its host;
+    2. across hosts, the ranks with the same local index allreduce their segment over
+       TCP (the pipelined ring), each pair of hosts carrying ``1/local_size`` of the data
+       per local rank, all local ranks at once;
+    3. within each host, a shared-memory allgather gives every local rank every segment.
+
+    Args:
+        local: the set's members on this host (shared memory).
+        cross: the set's members with this rank's local index, one per host (TCP).
+        flat: every member of the set (TCP), for the other collectives.
+    """
+
+    def __init__(self, local: SharedCollectives, cross: TcpCollectives, flat: StreamingChannel) -> None:
+        super().__init__(flat)
+        self._local = local
+        self._cross = cross
+
+    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        bounds = ring.even_bounds(buffer.size, self._local.size)
+        offset, length = bounds[self._local.rank]
+        segment = buffer[offset : offset + length]
+        self._local.reduce_scatter(buffer, bounds, reduce, segment)
+        self._cross.allreduce(segment, reduce)
+        self._local.allgather(buffer, bounds)

@@ -36,7 +36,7 @@ from collections import deque
 
 from hora.config import Config
 from hora.engine import messages
-from hora.engine.algorithms import Collectives, SharedCollectives, TcpCollectives
+from hora.engine.algorithms import Collectives, HierarchicalCollectives, SharedCollectives, TcpCollectives
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.mesh_channel import MeshChannel
@@ -71,9 +71,16 @@ class Engine:
         config: the validated configuration.
         mesh: the connections to the other ranks; None for a job of one rank.
         domain: shared memory with the ranks on this machine, if any.
+        sharing: by rank, whether that rank's host shares memory (``local.sharing_everywhere``).
     """
 
-    def __init__(self, config: Config, mesh: Mesh | None, domain: Domain | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        mesh: Mesh | None,
+        domain: Domain | None = None,
+        sharing: list[bool] | None = None,
+    ) -> None:
         self.rank = config.topology.rank
         self.size = config.topology.size
         self._config = config
@@ -90,6 +97,8 @@ class Engine:
         self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
         self._watch = Watch(list(self._links.values()), self._check_urgent)
         self._domain = domain
+        self._sharing = sharing or [False] * self.size
+        self._hierarchical = True
         if domain is not None:
             domain.watch = self._watch
         self._collectives: dict[tuple[int, ...], Collectives] = {}
@@ -289,18 +298,57 @@ class Engine:
             self._links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self._watch)
 
     def _collectives_for(self, ranks: tuple[int, ...]) -> Collectives:
-        """The algorithms of a process set: shared memory when all its ranks are on this machine."""
+        """The algorithms of a process set.
+
+        All members on this machine: shared memory. Members on several hosts, the same
+        number on each, more than one per host, and shared memory working on every one
+        of them: hierarchical allreduce. Otherwise the TCP ring. Every member decides
+        from the same facts (host names, machines, ``sharing``), so all decide alike.
+        """
         collectives = self._collectives.get(ranks)
-        if collectives is None:
-            data = self._mesh.data if self._mesh is not None else {}
-            channel = MeshChannel(ranks, self.rank, data, self._watch)
-            domain = self._domain
-            if domain is not None and len(ranks) > 1 and all(r in domain.ranks for r in ranks):
-                collectives = SharedCollectives(ShmGroup(domain, ranks), channel)
-            else:
-                collectives = TcpCollectives(channel)
-            self._collectives[ranks] = collectives
+        if collectives is not None:
+            return collectives
+        data = self._mesh.data if self._mesh is not None else {}
+
+        def channel(members: tuple[int, ...]) -> MeshChannel:
+            return MeshChannel(members, self.rank, data, self._watch)
+
+        domain = self._domain
+        hosts = self._hosts_of(ranks)
+        if domain is not None and len(ranks) > 1 and len(hosts) == 1:
+            collectives = SharedCollectives(ShmGroup(domain, ranks), channel(ranks))
+        elif domain is not None and self._hierarchical and self._layered(ranks, hosts):
+            local = next(members for members in hosts if self.rank in members)
+            index = local.index(self.rank)
+            cross = tuple(members[index] for members in hosts)
+            collectives = HierarchicalCollectives(
+                SharedCollectives(ShmGroup(domain, local), channel(local)),
+                TcpCollectives(channel(cross)),
+                channel(ranks),
+            )
+        else:
+            collectives = TcpCollectives(channel(ranks))
+        self._collectives[ranks] = collectives
         return collectives
+
+    def _hosts_of(self, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The set's members grouped by machine, groups ordered by their first member."""
+        if self._mesh is None:
+            return [ranks]
+        groups: dict[tuple[str, str], list[int]] = {}
+        for rank in ranks:
+            groups.setdefault((self._mesh.hosts[rank], self._mesh.machines[rank]), []).append(rank)
+        return [tuple(members) for members in groups.values()]
+
+    def _layered(self, ranks: tuple[int, ...], hosts: list[tuple[int, ...]]) -> bool:
+        """True when the set suits hierarchical allreduce."""
+        per_host = {len(members) for members in hosts}
+        return (
+            len(hosts) > 1
+            and len(per_host) == 1
+            and per_host.pop() > 1
+            and all(self._sharing[rank] for rank in ranks)
+        )
 
     def _lost(self, link: Link, detail: str) -> str:
         role = " (the coordinator)" if link.peer == 0 else ""

@@ -83,3 +83,23 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
         return None
     domain.unlink()
     return domain
+
+
+def sharing_everywhere(mesh: Mesh, domain: shm.Domain | None) -> list[bool]:
+    """Tells every rank which ranks share memory with all their local peers.
+
+    A rank with no local peer counts as sharing. Every rank gets the same list, so
+    choices that depend on other hosts' shared memory (hierarchical allreduce) are
+    made alike everywhere.
+
+    Returns:
+        By rank: True when that rank's whole domain shares memory.
+    """
+    ok = domain is not None or len(domain_ranks(mesh)) == 1
+    mine = np.array([1 if ok else 0], dtype=np.uint8)
+    theirs = {peer: np.zeros(1, dtype=np.uint8) for peer in mesh.data}
+    tcp.exchange(
+        [(link, mine.data) for link in mesh.data.values()],
+        [(mesh.data[peer], buffer.data) for peer, buffer in theirs.items()],
+    )
+    return [ok if r == mesh.rank else bool(theirs[r][0]) for r in range(mesh.size)]
