@@ -70,6 +70,7 @@ def run_ranks(
     check: bool = True,
     during: Callable[[RendezvousServer], None] | None = None,
     hosts: list[str] | None = None,
+    secret: bytes | None = None,
 ) -> list[Any] | list[RankResult]:
     """Runs ``fn(*args)`` on ``size`` ranks.
 
@@ -81,8 +82,9 @@ def run_ranks(
     ``during(server)``, when given, runs in the test process while the ranks run.
     ``hosts``, when given, names each rank's host (``HORA_HOSTNAME``) with local and
     cross ranks to match: ranks given different host names act as different hosts.
+    ``secret`` fixes the job secret (by default a fresh one).
     """
-    secret = auth.new_secret()
+    secret = secret or auth.new_secret()
     server = RendezvousServer(secret).start()
     workdir = Path(tempfile.mkdtemp(prefix="hora-test-"))
     (workdir / "payload").write_bytes(cloudpickle.dumps((fn, args)))

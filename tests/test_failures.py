@@ -149,7 +149,12 @@ def killed_rank_job(victim: int) -> str:
 @pytest.mark.parametrize("size, victim", [(2, 1), (3, 0), (4, 2)])
 @pytest.mark.timeout(90)
 def test_killed_rank_makes_every_other_rank_raise(size, victim):
-    results = run_ranks(size, killed_rank_job, victim, timeout=60, check=False)
+    from hora.transport import auth, shm
+
+    secret = auth.new_secret()
+    results = run_ranks(size, killed_rank_job, victim, timeout=60, check=False, secret=secret)
+    # Shared segments were unlinked once mapped: the SIGKILLed rank left nothing in /dev/shm.
+    assert shm.stale_segments(shm.job_key(secret)) == []
     for result in results:
         if result.rank == victim:
             assert result.returncode == -9
