@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install typecheck clean
 
-$(STAMP): pyproject.toml requirements/frameworks.txt
+$(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/frameworks.txt
+	$(PY) -m pip install --quiet -r requirements/frameworks.txt -r requirements/launchers.txt
 	$(PY) -m pip install --quiet -e '.[test]'
 	# Keras 2 for the TF_USE_LEGACY_KERAS=1 tests; without --no-deps it pulls the full tensorflow wheel.
 	$(PY) -m pip install --quiet --no-deps tf_keras==2.21.0
@@ -25,7 +25,10 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # The whole suite: static types, then every test (multi-process tests start their own ranks).
+# scripts/setup-system.sh installs the system pieces the launcher tests use for real (sshd,
+# network namespaces, Open MPI, MPICH, Slurm); it is quick when they are already there.
 test: $(STAMP) typecheck
+	bash scripts/setup-system.sh
 	$(PY) -m pytest -q
 
 clean:

@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from hora.runner.rendezvous import RendezvousServer
+from hora.transport.rendezvous_server import RendezvousServer
 from hora.transport import auth
 
 TESTS = Path(__file__).resolve().parent

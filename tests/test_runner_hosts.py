@@ -1,13 +1,17 @@
-"""Unit tests for hora.runner.hosts: parsing -H and host files, placing ranks, the local-host check."""
+"""Unit tests for hora.runner.hosts, placement and ssh: -H and host files, placing ranks, reaching hosts."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from hora.runner.hosts import HostSpec, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts, plan
+from hora.runner.placement import HostsError, plan_placement
+from hora.runner.ssh import HostInfo, SshSettings, describe_failure
+from hora.version import __version__
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -124,24 +128,80 @@ def test_plan_defaults_to_localhost() -> None:
     assert [s.local_rank for s in slots] == [0, 1, 2]
 
 
-def test_plan_with_fake_hosts_and_injected_locality(tmp_path: Path) -> None:
-    assert len(plan(4, hosts="a:2,b:2", is_local=_everywhere)) == 4
+def test_plan_with_made_up_hosts(tmp_path: Path) -> None:
+    assert len(plan(4, hosts="a:2,b:2")) == 4
     path = tmp_path / "hosts"
     path.write_text("x slots=1\ny slots=1\n")
-    assert [s.hostname for s in plan(2, hostfile=str(path), is_local=_everywhere)] == ["x", "y"]
-
-
-def test_plan_remote_host_is_refused() -> None:
-    with pytest.raises(ValueError) as info:
-        plan(4, hosts="a:2,b:2", is_local=lambda name: name == "a")
-    assert "'b'" in str(info.value) and "ssh" in str(info.value) and "not supported yet" in str(info.value)
-    # A host that receives no rank is not checked.
-    assert len(plan(2, hosts="a:2,b:2", is_local=lambda name: name == "a")) == 2
+    assert [s.hostname for s in plan(2, hostfile=str(path))] == ["x", "y"]
 
 
 def test_plan_hosts_and_hostfile_are_exclusive() -> None:
     with pytest.raises(ValueError, match="exclusive"):
-        plan(1, hosts="a", hostfile="f", is_local=_everywhere)
+        plan(1, hosts="a", hostfile="f")
+
+
+def _info(host: str, launcher: str | None = "10.0.0.1", hora: str = __version__) -> HostInfo:
+    return HostInfo(host, host, "3.11.7", "/py", hora, launcher, None, 0.0, 0.01, ())
+
+
+def test_placement_all_local_stays_on_loopback() -> None:
+    def no_probe(hosts: Sequence[str], ssh: SshSettings) -> dict[str, HostInfo | str]:
+        raise AssertionError("nothing to probe")
+
+    placement = plan_placement(plan(4, hosts="a:2,b:2"), SshSettings(), _everywhere, no_probe)
+    assert placement.server_bind == "127.0.0.1" and not placement.remote_hosts
+    assert dict(placement.rendezvous_addr) == {"a": "127.0.0.1", "b": "127.0.0.1"}
+
+
+def test_placement_remote_hosts_reach_the_launcher_where_ssh_came_from() -> None:
+    seen: list[str] = []
+
+    def probe(hosts: Sequence[str], ssh: SshSettings) -> dict[str, HostInfo | str]:
+        seen.extend(hosts)
+        return {"b": _info("b", "10.0.0.1"), "c": _info("c", "10.1.0.1")}
+
+    placement = plan_placement(plan(6, hosts="a:2,b:2,c:2"), SshSettings(), lambda name: name == "a", probe)
+    assert seen == ["b", "c"]  # this machine is not probed
+    assert placement.server_bind == "0.0.0.0" and placement.remote_hosts == {"b", "c"}
+    # Ranks on this machine use the address the first remote host reaches it at: never loopback.
+    assert dict(placement.rendezvous_addr) == {"a": "10.0.0.1", "b": "10.0.0.1", "c": "10.1.0.1"}
+
+
+def test_placement_names_every_host_that_cannot_take_part() -> None:
+    def probe(hosts: Sequence[str], ssh: SshSettings) -> dict[str, HostInfo | str]:
+        return {"b": "host b: cannot connect over ssh (port 22): connection refused", "c": _info("c", hora="0.0.1")}
+
+    with pytest.raises(HostsError) as info:
+        plan_placement(plan(3, hosts="a,b,c"), SshSettings(), lambda name: name == "a", probe)
+    assert info.value.lines == [
+        "host b: cannot connect over ssh (port 22): connection refused",
+        f"host c: runs hora 0.0.1, this machine runs hora {__version__}: install the same version on every host",
+    ]
+
+
+@pytest.mark.parametrize(
+    "stderr, returncode, expected",
+    [
+        ("ssh: Could not resolve hostname h: Name or service not known", 255, "unknown host"),
+        ("ssh: connect to host h port 22: Connection refused", 255, "connection refused: check that sshd runs"),
+        ("ssh: connect to host h port 22: Connection timed out", 255, "timed out: the host is down or a firewall"),
+        ("ssh: connect to host h port 22: No route to host", 255, "unreachable: no route to it"),
+        ("root@h: Permission denied (publickey).", 255, "permission denied"),
+        ("Host key verification failed.", 255, "host key verification failed"),
+        ("bash: line 1: /venv/bin/python: No such file or directory", 127, "does not exist there"),
+        ("/venv/bin/python: No module named hora.runner.remote", 1, "hora is not installed"),
+    ],
+)
+def test_ssh_failures_are_one_line_with_the_fix(stderr: str, returncode: int, expected: str) -> None:
+    line = describe_failure("h", returncode, stderr, SshSettings())
+    assert line.startswith("host h: ") and expected in line and "\n" not in line
+
+
+def test_ssh_command_is_safe_for_a_program() -> None:
+    argv = SshSettings(2222, None, ("-F", "cfg")).command("node1", "exec true")
+    assert argv[:2] == ["ssh", "-T"] and "BatchMode=yes" in argv and argv[-3:] == ["--", "node1", "exec true"]
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-F") + 1] == "cfg"
+    assert "StrictHostKeyChecking=no" not in argv
 
 
 @pytest.mark.parametrize("name", ["localhost", "LOCALHOST", "127.0.0.1", "127.0.1.1", socket.gethostname()])

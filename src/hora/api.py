@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,13 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
                 if not isinstance(process_set, ProcessSet):
                     raise ValueError(f"process_sets must hold ProcessSet objects; got {process_set!r}")
         _configure_logging(config)
+        ignored = config.extras.unsupported()
+        if ignored and config.topology.rank == 0:
+            logging.getLogger("hora").warning(
+                "hora: %s %s set but hora has no such feature yet; the setting has no effect",
+                ", ".join(ignored),
+                "is" if len(ignored) == 1 else "are",
+            )
         runtime = Runtime(config, _context.generation)
         _context.generation += 1
         _context.runtime = runtime
@@ -224,6 +232,20 @@ def cuda_built(verbose: bool = False) -> bool:
 
 def rocm_built(verbose: bool = False) -> bool:
     return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's call to start recording a timeline. hora does not record timelines yet:
+    this warns and does nothing, so scripts that call it still run."""
+    current()
+    warnings.warn(
+        f"hora does not record timelines yet; start_timeline({file_path!r}) does nothing", RuntimeWarning, stacklevel=2
+    )
+
+
+def stop_timeline() -> None:
+    """Horovod's call to stop recording a timeline; nothing to stop in hora (see ``start_timeline``)."""
+    current()
 
 
 def poll(handle: int) -> bool:

@@ -7,6 +7,7 @@ second ``init()`` after ``shutdown()`` builds a fresh one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from hora.bootstrap import advertise, open_rendezvous, topology_from_hosts
 from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import Engine
@@ -23,9 +25,9 @@ from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
 from hora.engine.queue import Entry
 from hora.errors import HoraInternalError
+from hora.transport import netif
 from hora.transport.local import connect_domain, sharing_everywhere
 from hora.transport.mesh import Mesh, build_mesh
-from hora.transport.rendezvous import RendezvousClient, is_loopback
 
 log = logging.getLogger("hora")
 
@@ -48,12 +50,19 @@ class Runtime:
         self.config = config
         self.topology = config.topology
         self.pid = os.getpid()
-        mesh = _connect(config, generation) if self.topology.size > 1 else None
+        mesh, secret = _connect(config, generation) if self.topology.size > 1 else (None, b"")
         self.hosts: list[str] = mesh.hosts if mesh is not None else [self.topology.hostname]
+        if mesh is not None and not config.exact_cross:
+            # mpirun and torchrun-style launchers do not say which ranks share a host: the
+            # ranks' host names do.
+            local_rank, local_size, cross_rank, cross_size = topology_from_hosts(mesh.hosts, self.topology.rank)
+            self.topology = dataclasses.replace(
+                self.topology, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank, cross_size=cross_size
+            )
         domain = None
         sharing = None
-        if mesh is not None and config.shared_memory and config.secret is not None:
-            domain = connect_domain(mesh, config.secret, generation, config.shm_staging_bytes)
+        if mesh is not None and config.shared_memory:
+            domain = connect_domain(mesh, secret, generation, config.shm_staging_bytes)
             sharing = sharing_everywhere(mesh, domain)
         self.engine = Engine(config, mesh, domain, sharing)
         self.engine.start()
@@ -187,25 +196,38 @@ class Runtime:
         return self.engine.failure
 
 
-def _connect(config: Config, generation: int) -> Mesh:
+def _connect(config: Config, generation: int) -> tuple[Mesh, bytes]:
+    """Meets the other ranks through the rendezvous and connects to every one of them.
+
+    Returns:
+        The mesh, and the job secret (from the environment, or from rank 0 through MPI).
+
+    The rendezvous is ``horarun``'s, or (under mpirun, srun or torchrun-style variables)
+    one that rank 0 runs until the mesh is complete (``hora.bootstrap``). The address
+    this rank listens on and advertises is ``netif.choose_bind_address``'s choice.
+    """
     topology = config.topology
-    assert config.rendezvous_addr and config.rendezvous_port and config.secret  # checked by Config
+    rendezvous = open_rendezvous(config)
     try:
-        client = RendezvousClient(config.rendezvous_addr, config.rendezvous_port, config.secret, config.start_timeout)
-    except (OSError, TimeoutError) as exc:
-        raise HoraInternalError(
-            f"hora.init: rank {topology.rank} could not reach the rendezvous server at "
-            f"{config.rendezvous_addr}:{config.rendezvous_port}: {exc}"
-        ) from None
-    with client:
-        bind = "127.0.0.1" if is_loopback(config.rendezvous_addr) else client.local_address()
-        return build_mesh(
+        client = rendezvous.client
+        try:
+            bind = netif.choose_bind_address(
+                netif.split_names(config.iface), client.host, client.local_address()
+            )
+        except ValueError as exc:
+            raise HoraInternalError(f"hora.init: rank {topology.rank} on {topology.hostname}: {exc}") from None
+        advertise(config, client, generation, bind)
+        mesh = build_mesh(
             topology.rank,
             topology.size,
             topology.hostname,
-            config.secret,
+            rendezvous.secret,
             client,
             generation,
             config.start_timeout,
             bind,
         )
+        return mesh, rendezvous.secret
+    finally:
+        # Once rank 0's mesh is complete every rank is done with the rendezvous.
+        rendezvous.close()

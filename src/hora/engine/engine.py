@@ -28,6 +28,7 @@ has left.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import threading
@@ -98,7 +99,8 @@ class Engine:
         self._watch = Watch(list(self._links.values()), self._check_urgent)
         self._domain = domain
         self._sharing = sharing or [False] * self.size
-        self._hierarchical = True
+        # Unset: hierarchical allreduce wherever the layout suits it; set: forced on or off.
+        self._hierarchical = config.hierarchical_allreduce is not False
         if domain is not None:
             domain.watch = self._watch
         self._collectives: dict[tuple[int, ...], Collectives] = {}
@@ -146,6 +148,13 @@ class Engine:
     # ----- the engine thread -----
 
     def _run(self) -> None:
+        cores = self._config.thread_affinity
+        if cores:
+            core = cores[self._config.topology.local_rank % len(cores)]
+            try:
+                os.sched_setaffinity(0, {core})  # 0: this thread only
+            except OSError as exc:
+                log.warning("hora: rank %d cannot pin its engine thread to core %d: %s", self.rank, core, exc)
         try:
             self._loop()
         except (_JobFailed, StalledError) as exc:

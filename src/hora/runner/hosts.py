@@ -18,9 +18,8 @@ Host names are kept as written: two different names are two hosts, even when bot
 name this machine (``-H localhost:2,127.0.0.1:2`` runs a two-host job on one
 machine, which exercises the cross-host code paths).
 
-For now every host that receives a rank must be this machine; starting ranks on
-other hosts (over ssh) comes later. The check takes an injectable ``is_local``
-predicate, so the assignment logic is testable with made-up host names.
+``is_local_host`` tells which hosts are this machine; ranks on any other host are
+started over ssh (``hora.runner.placement``, ``hora.runner.ssh``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 LOCALHOST = "localhost"
 
@@ -258,45 +257,20 @@ def _can_bind(family: int, sockaddr: tuple[object, ...]) -> bool:
     return True
 
 
-def check_local(slots: Sequence[SlotInfo], is_local: Callable[[str], bool] = is_local_host) -> None:
-    """Checks that every host that runs a rank is this machine.
-
-    Args:
-        slots: the assignment.
-        is_local: tells whether a host name names this machine.
-
-    Raises:
-        ValueError: a host is another machine; ranks cannot be started there yet.
-    """
-    for name in dict.fromkeys(slot.hostname for slot in slots):
-        if not is_local(name):
-            raise ValueError(
-                f"host {name!r} is not this machine, and starting ranks on other hosts (over ssh) "
-                "is not supported yet: run on this machine's hosts only (e.g. -H localhost:N)"
-            )
-
-
-def plan(
-    num_proc: int,
-    hosts: str | None = None,
-    hostfile: str | None = None,
-    is_local: Callable[[str], bool] = is_local_host,
-) -> list[SlotInfo]:
+def plan(num_proc: int, hosts: str | None = None, hostfile: str | None = None) -> list[SlotInfo]:
     """Turns the host options into one ``SlotInfo`` per rank.
 
     Args:
         num_proc: the number of ranks.
         hosts: the ``-H/--hosts`` value, or None.
         hostfile: the ``--hostfile`` path, or None.
-        is_local: tells whether a host name names this machine.
 
     Returns:
         The assignment, indexed by rank.
 
     Raises:
         ValueError: both ``hosts`` and ``hostfile`` are given, the hosts are
-            malformed, they have fewer slots than ``num_proc``, or a host that
-            would run a rank is not this machine.
+            malformed, or they have fewer slots than ``num_proc``.
     """
     if hosts is not None and hostfile is not None:
         raise ValueError("-H/--hosts and --hostfile are exclusive: give one of them")
@@ -306,6 +280,4 @@ def plan(
         specs = parse_hostfile(hostfile)
     else:
         specs = [HostSpec(LOCALHOST, max(num_proc, 1))]
-    slots = assign_slots(specs, num_proc)
-    check_local(slots, is_local)
-    return slots
+    return assign_slots(specs, num_proc)

@@ -2,18 +2,23 @@
 
 ``Job.run`` owns everything a job starts and stops all of it before returning:
 
-1. a fresh secret and a ``RendezvousServer`` on ``127.0.0.1`` (stopped at the end);
-2. one ``Worker`` per rank, each in its own process group, with its output forwarded;
+1. a fresh secret and a ``RendezvousServer`` (stopped at the end), on ``127.0.0.1`` when
+   every host is this machine, else on every interface (``hora.runner.placement``);
+2. one ``Worker`` per rank, each in its own process group (on a remote host, under
+   ``hora.runner.remote`` started over ssh), with its output forwarded;
 3. a watch loop on one event queue fed by the waiter threads (a rank exited) and,
    when ``handle_signals`` is on, by SIGINT/SIGTERM/SIGHUP handlers.
 
 The job ends when every rank exited 0, or at the first of: a rank exits non-zero or
-by a signal (the root cause), ``horarun`` receives a signal, the timeout passes.
-After a failure the other ranks get ``SETTLE_PERIOD`` to fail by themselves (so their
-own errors, which name the lost rank, reach the user). Then every rank's process
-group gets SIGTERM; ranks still running after
-``GRACE_PERIOD`` seconds (or at once, on a second signal) get SIGKILL, and the job
-waits until every rank is reaped. No rank outlives ``Job.run``.
+by a signal (the root cause: the earliest such rank, passing over ranks whose stderr
+ends with ``HoraInternalError``, which hora raises when another rank failed),
+``horarun`` receives a signal, the timeout passes. After a failure the other ranks get
+``SETTLE_PERIOD`` to fail by themselves (so their own errors, which name the lost rank,
+reach the user). Then every rank's process group gets SIGTERM; ranks still running
+after ``GRACE_PERIOD`` seconds (or at once, on a second signal) get SIGKILL, and the job
+waits until every rank is reaped. No rank outlives ``Job.run``, and neither does anything
+a rank started: what is left of each rank's process group gets SIGKILL at the end (on a
+remote host its supervisor does the same).
 
 Invariant: only the thread that calls ``run`` signals ranks or changes the job's
 state; the other threads only post events and record exits.
@@ -22,6 +27,7 @@ state; the other threads only post events and record exits.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import signal
 import threading
@@ -30,18 +36,20 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
+from hora.runner import hosts
 from hora.runner.hosts import SlotInfo
 from hora.runner.output import Sink
-from hora.runner.rendezvous import RendezvousServer
-from hora.runner.settings import LaunchSettings, rank_env
-from hora.runner.workers import Event, Worker, signal_name
+from hora.runner.placement import Placement, plan_placement
+from hora.runner.settings import LaunchSettings, rank_env, remote_env
+from hora.runner.ssh import SshSettings, remote_python_command
+from hora.runner.workers import Event, RemoteLaunch, Worker, signal_name
 from hora.transport import auth
+from hora.transport.rendezvous_server import RendezvousServer
 
 GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL
 # After the first failure, seconds the other ranks get to fail by themselves first: a hora
 # rank raises within milliseconds of losing a peer, and its own error names the cause.
 SETTLE_PERIOD = 1.0
-RENDEZVOUS_HOST = "127.0.0.1"  # every rank runs on this machine for now
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.1  # seconds; a signal delivered to another thread does not wake a blocked get
 _REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped
@@ -54,12 +62,14 @@ class RankOutcome:
 
     Attributes:
         slot: where the rank ran.
-        pid: its process id.
+        pid: its process id (on its host).
         returncode: its exit code, minus the signal number if a signal ended it, or
             None if it could not be reaped.
         exit_after: seconds from the job's start to its exit, or None.
         signals_sent: the signals the launcher sent it while it ran.
         stderr_tail: the last lines it wrote to stderr.
+        remote: it ran on another host, over ssh.
+        lost: its ssh connection ended without word from the host (host or network lost).
     """
 
     slot: SlotInfo
@@ -68,6 +78,8 @@ class RankOutcome:
     exit_after: float | None
     signals_sent: tuple[int, ...]
     stderr_tail: tuple[str, ...]
+    remote: bool = False
+    lost: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +131,9 @@ class Job:
         stderr: where ranks' prefixed stderr lines and the launcher's notes go.
         base_env: the environment ranks inherit.
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        placement: how the hosts are reached; None works it out (probing remote
+            hosts over ssh, which raises ``placement.HostsError`` for a host that
+            cannot take part).
     """
 
     def __init__(
@@ -129,7 +144,12 @@ class Job:
         stderr: Sink,
         base_env: Mapping[str, str],
         grace: float = GRACE_PERIOD,
+        placement: Placement | None = None,
     ) -> None:
+        if placement is None:
+            ssh = SshSettings.from_env(settings.ssh_port, settings.ssh_identity_file, base_env)
+            placement = plan_placement(slots, ssh, hosts.is_local_host)
+        self._placement = placement
         self._settings = settings
         self._slots = slots
         self._stdout = stdout
@@ -156,7 +176,7 @@ class Job:
         self._start = time.monotonic()
         deadline = None if timeout is None else self._start + timeout
         secret = auth.new_secret()
-        server = RendezvousServer(secret, host=RENDEZVOUS_HOST).start()
+        server = RendezvousServer(secret, host=self._placement.server_bind).start()
         interrupted: int | None = None
         timed_out = False
         start_error: str | None = None
@@ -164,7 +184,7 @@ class Job:
             with self._signals(handle_signals):
                 if self._settings.verbose:
                     self._print_plan(server.port)
-                start_error = self._start_all((RENDEZVOUS_HOST, server.port), secret)
+                start_error = self._start_all(server.port, secret)
                 if start_error is None:
                     interrupted, timed_out = self._watch(deadline)
                 self._stop_all()
@@ -176,6 +196,8 @@ class Job:
                 else:
                     self._kill_all()
             server.stop()
+            for worker in self._workers:
+                worker.kill_leftovers()
         output_deadline = time.monotonic() + _OUTPUT_TIMEOUT
         for worker in self._workers:
             worker.join_output(max(0.0, output_deadline - time.monotonic()))
@@ -198,21 +220,41 @@ class Job:
                 signal.signal(signum, old)
 
     def _print_plan(self, port: int) -> None:
+        placement = self._placement
         hosts = dict.fromkeys(slot.hostname for slot in self._slots)
         self._stderr.line(
             f"horarun: {len(self._slots)} rank{'s' if len(self._slots) != 1 else ''} on {len(hosts)} "
-            f"host{'s' if len(hosts) != 1 else ''}; rendezvous server on {RENDEZVOUS_HOST}:{port}"
+            f"host{'s' if len(hosts) != 1 else ''}; rendezvous server on {placement.server_bind}:{port}"
         )
+        for host in hosts:
+            how = "over ssh" if placement.is_remote(host) else "on this machine"
+            self._stderr.line(
+                f"horarun:   host {host}: {how}, reaches the rendezvous at {placement.rendezvous_addr[host]}:{port}"
+            )
         for slot in self._slots:
             self._stderr.line(
                 f"horarun:   rank {slot.rank}: host {slot.hostname}, local rank {slot.local_rank} of "
                 f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}"
             )
 
-    def _start_all(self, rendezvous: tuple[str, int], secret: bytes) -> str | None:
+    def _start_all(self, port: int, secret: bytes) -> str | None:
         settings = self._settings
+        placement = self._placement
+        cwd = os.getcwd()
         for slot in self._slots:
-            env = rank_env(self._base_env, settings, slot, rendezvous, secret)
+            rendezvous = (placement.rendezvous_addr[slot.hostname], port)
+            remote: RemoteLaunch | None = None
+            if placement.is_remote(slot.hostname):
+                assert placement.ssh is not None
+                remote = RemoteLaunch(
+                    ssh_command=tuple(placement.ssh.command(slot.hostname, remote_python_command([], self._base_env))),
+                    env=remote_env(self._base_env, settings, slot, rendezvous, secret),
+                    cwd=cwd,
+                    grace=self._grace,
+                )
+                env = dict(self._base_env)  # for ssh itself
+            else:
+                env = rank_env(self._base_env, settings, slot, rendezvous, secret)
             try:
                 worker = Worker.start(
                     slot,
@@ -223,9 +265,11 @@ class Job:
                     self._stderr,
                     settings.output_filename,
                     settings.prefix_timestamp,
+                    remote,
                 )
             except OSError as exc:
-                return f"cannot start rank {slot.rank} ({' '.join(settings.command)!r}): {exc.strerror or exc}"
+                program = "ssh" if remote is not None else " ".join(settings.command)
+                return f"cannot start rank {slot.rank} ({program!r}): {exc.strerror or exc}"
             self._workers.append(worker)
         return None
 
@@ -317,6 +361,8 @@ class Job:
                 exit_after=None if worker.exit_time is None else worker.exit_time - self._start,
                 signals_sent=tuple(worker.signals_sent),
                 stderr_tail=tuple(worker.stderr_tail),
+                remote=worker.remote,
+                lost=worker.lost,
             )
             for worker in self._workers
         )
@@ -330,7 +376,11 @@ class Job:
             and rank.exit_after is not None
             and (stop_after is None or not rank.signals_sent or rank.exit_after <= stop_after)
         ]
-        first = min(failed, key=lambda rank: rank.exit_after or 0.0) if failed else None
+        # A rank whose last words are hora's HoraInternalError failed because another rank
+        # did (a peer left or died); the rank that failed for its own reason is the cause,
+        # even when it exits later (a rank leaving after sys.exit(3) says goodbye first).
+        causes = [rank for rank in failed if not _is_consequence(rank)] or failed
+        first = min(causes, key=lambda rank: rank.exit_after or 0.0) if causes else None
         return JobResult(
             ranks=ranks,
             first_failure=None if first is None else first.slot.rank,
@@ -340,3 +390,11 @@ class Job:
             start_error=start_error,
             grace=self._grace,
         )
+
+
+_CONSEQUENCES = ("HoraInternalError", "HorovodInternalError")
+
+
+def _is_consequence(rank: RankOutcome) -> bool:
+    """True when the rank's stderr ends with hora's error for a failure elsewhere in the job."""
+    return any(name in line for line in rank.stderr_tail[-3:] for name in _CONSEQUENCES)

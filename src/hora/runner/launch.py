@@ -6,41 +6,51 @@ runs a ``Job`` through ``prepare`` the same way.
 
 Exit codes: 0 when every rank exited 0; the exit code of the rank that failed first
 (128 + the signal number when a signal ended it); 128 + signum when ``horarun`` was
-interrupted (130 for Ctrl-C, 143 for SIGTERM); 127 when a rank could not be started.
-Every failure prints a summary on stderr that names the root cause first
-(``hora.runner.summary``).
+interrupted (130 for Ctrl-C, 143 for SIGTERM); 127 when a rank could not be started;
+``HOSTS_FAILED`` (1) when a host cannot take part (nothing was started; one line per
+host on stderr). Every failure prints a summary on stderr that names the root cause
+first (``hora.runner.summary``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from hora.runner import hosts
 from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
 from hora.runner.output import Sink
-from hora.runner.settings import LaunchSettings
+from hora.runner.placement import HostsError, Placement, plan_placement
+from hora.runner.settings import LaunchSettings, forwarded_missing
+from hora.runner.ssh import HostInfo, SshSettings, probe_hosts
 from hora.runner.summary import failure_lines
 
+HOSTS_FAILED = 1
 
-def prepare(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_local_host) -> list[SlotInfo]:
+
+def prepare(settings: LaunchSettings) -> list[SlotInfo]:
     """Validates the settings, places the ranks and creates the output directory.
 
     Args:
         settings: the launch settings.
-        is_local: tells whether a host name names this machine.
 
     Returns:
         Where each rank runs, by rank.
 
     Raises:
         ValueError: a setting is invalid, the hosts are malformed or have too few
-            slots, a host is another machine, or the output directory cannot be created.
+            slots, or the output directory cannot be created.
     """
     settings.validate()
-    slots = hosts.plan(settings.num_proc, settings.hosts, settings.hostfile, is_local)
+    missing = forwarded_missing(os.environ, settings.forward_env)
+    if missing:
+        raise ValueError(
+            f"-x {missing[0]}: {missing[0]} is not set in horarun's environment: set it, or give its value "
+            f"as -x {missing[0]}=VALUE"
+        )
+    slots = hosts.plan(settings.num_proc, settings.hosts, settings.hostfile)
     if settings.output_filename is not None:
         try:
             os.makedirs(settings.output_filename, exist_ok=True)
@@ -49,6 +59,22 @@ def prepare(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is
                 f"--output-filename: cannot create the directory {settings.output_filename!r}: {exc.strerror or exc}"
             ) from None
     return slots
+
+
+def place(
+    settings: LaunchSettings,
+    slots: Sequence[SlotInfo],
+    is_local: Callable[[str], bool] = hosts.is_local_host,
+    probe: Callable[[Sequence[str], SshSettings], Mapping[str, HostInfo | str]] = probe_hosts,
+) -> Placement:
+    """Works out how to reach every host (probing remote ones over ssh).
+
+    Raises:
+        ValueError: a bad ssh setting.
+        HostsError: a host cannot take part (one line per host).
+    """
+    ssh = SshSettings.from_env(settings.ssh_port, settings.ssh_identity_file)
+    return plan_placement(slots, ssh, is_local, probe)
 
 
 def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_local_host) -> int:
@@ -70,9 +96,15 @@ def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_
     Raises:
         ValueError: the settings or the hosts are invalid; nothing was started.
     """
-    slots = prepare(settings, is_local)
+    slots = prepare(settings)
     stderr = Sink(sys.stderr)
-    job = Job(settings, slots, Sink(sys.stdout), stderr, os.environ)
+    try:
+        placement = place(settings, slots, is_local)
+    except HostsError as exc:
+        for line in exc.lines:
+            stderr.line(f"horarun: error: {line}")
+        return HOSTS_FAILED
+    job = Job(settings, slots, Sink(sys.stdout), stderr, os.environ, placement=placement)
     result = job.run(handle_signals=True)
     for line in failure_lines(result):
         stderr.line(line)

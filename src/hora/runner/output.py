@@ -12,6 +12,10 @@ With ``--output-filename DIR`` each stream is also written, unprefixed and byte 
 byte, to ``DIR/rank.<rank>/stdout`` and ``.../stderr``; the rank number is
 zero-padded to the width of ``size - 1`` so the directories sort in rank order.
 
+For a rank on another host the stream is ssh's, and the supervisor there
+(``hora.runner.remote``) writes control lines into stderr; a forwarder given a
+``control`` callback takes them out and hands their data to it.
+
 One reader thread per stream drains the rank's pipe (a pipe that is not drained
 would block the rank once the kernel buffer fills). ``Sink`` serialises writers so
 lines from different ranks never interleave mid-line.
@@ -23,7 +27,10 @@ import collections
 import os
 import threading
 import time
-from typing import IO, BinaryIO, TextIO
+from collections.abc import Callable
+from typing import IO, Any, BinaryIO, TextIO
+
+from hora.runner.control import decode_marker
 
 TAIL_LINES = 10  # lines of stderr kept per rank for the failure summary
 _CHUNK = 1 << 16
@@ -101,6 +108,8 @@ class StreamForwarder:
         sink: where prefixed lines go.
         copy: a file that receives the raw bytes too, or None; it is closed at EOF.
         timestamp: prefix each line with the local time.
+        control: called with the data of each control line (``hora.runner.remote``),
+            which is then not forwarded; None forwards every line.
     """
 
     def __init__(
@@ -111,7 +120,9 @@ class StreamForwarder:
         sink: Sink,
         copy: BinaryIO | None = None,
         timestamp: bool = False,
+        control: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        self._control = control
         self._pipe = pipe
         self._prefix = f"[{rank}]<{name}>:".encode()
         self._sink = sink
@@ -148,7 +159,8 @@ class StreamForwarder:
                     chunk = b""
                 if not chunk:
                     break
-                self._save(chunk)
+                if self._control is None:
+                    self._save(chunk)
                 pending = self._forward(pending + chunk)
             if pending:
                 self._emit([pending + b"\n"])
@@ -181,6 +193,11 @@ class StreamForwarder:
         return rest
 
     def _emit(self, lines: list[bytes]) -> None:
+        if self._control is not None:
+            lines = self._take_control(lines)
+            if not lines:
+                return
+            self._save(b"".join(lines))
         head = self._prefix
         if self._timestamp:
             head = time.asctime().encode() + head
@@ -189,3 +206,17 @@ class StreamForwarder:
             text = line.rstrip(b"\r\n").decode("utf-8", errors="replace")
             if text.strip():
                 self.tail.append(text)
+
+    def _take_control(self, lines: list[bytes]) -> list[bytes]:
+        """Removes control lines, passing their data on; keeps text before a marker."""
+        assert self._control is not None
+        kept = []
+        for line in lines:
+            text, data = decode_marker(line)
+            if data is None:
+                kept.append(line)
+                continue
+            self._control(data)
+            if text:
+                kept.append(text + b"\n")
+        return kept

@@ -10,20 +10,46 @@ secret into that rank's environment:
   Horovod's ``HOROVOD_*`` names, for scripts that read them;
 * ``HORA_RENDEZVOUS_ADDR``, ``HORA_RENDEZVOUS_PORT``, ``HORA_SECRET`` (hex) and
   ``HORA_START_TIMEOUT``;
-* the tuning flags (``Tuning``) as the variables ``hora.config`` reads;
+* the tuning flags (``Tuning``) as the variables ``hora.config`` reads, and
+  ``--network-interfaces`` as ``HORA_IFACE``;
 * ``PYTHONUNBUFFERED=1`` unless already set, so ranks' output arrives line by line.
+
+A rank on another host does not inherit ``horarun``'s whole environment (its host has
+its own ``HOME``, ``TMPDIR``, ...). ``remote_env`` forwards what a rank needs: the
+variables above, ``PATH``, ``PYTHONPATH``, ``PYTHON*``, the virtualenv or conda prefix,
+``LD_LIBRARY_PATH``, the locale (``LANG``, ``LC_*``), ``OMP_NUM_THREADS``, every ``HORA_*``
+and ``HOROVOD_*`` variable, and the names given with ``-x NAME``; ``-x NAME=VALUE`` and
+``--env NAME=VALUE`` set a variable for every rank, here or remote.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 
 from hora import config
 from hora.runner.hosts import SlotInfo
 
 DEFAULT_START_TIMEOUT = 30.0
+# What a remote rank gets from horarun's environment besides what horarun sets.
+FORWARDED = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
+             "LANG", "LANGUAGE", "OMP_NUM_THREADS", "TZ")  # fmt: skip
+FORWARDED_PREFIXES = ("HORA_", "HOROVOD_", "PYTHON", "LC_")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_assignment(text: str, flag: str) -> tuple[str, str | None]:
+    """Parses ``NAME`` or ``NAME=VALUE`` (``-x``, ``--env``).
+
+    Raises:
+        ValueError: the name is not a valid variable name; names the flag.
+    """
+    name, equals, value = text.partition("=")
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{flag} {text!r} is not valid: expected NAME or NAME=VALUE with a variable name")
+    return name, value if equals else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +66,8 @@ class Tuning:
         stall_check_shutdown_time_seconds: ``--stall-check-shutdown-time-seconds``.
         log_level: ``--log-level`` (one of ``hora.config.LOG_LEVELS``).
         log_without_timestamp: ``--log-without-timestamp``.
+        extra: further ``HORA_*`` variables set by flags that only pass a value on
+            (timeline, autotune, hierarchical algorithms, ...).
     """
 
     fusion_threshold_mb: float | None = None
@@ -51,6 +79,7 @@ class Tuning:
     stall_check_shutdown_time_seconds: float | None = None
     log_level: str | None = None
     log_without_timestamp: bool = False
+    extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         """Checks every value against what the runtime accepts.
@@ -95,6 +124,7 @@ class Tuning:
             env["HORA_LOG_LEVEL"] = self.log_level.upper()
         if self.log_without_timestamp:
             env["HORA_LOG_HIDE_TIME"] = "1"
+        env.update(self.extra)
         return env
 
 
@@ -114,6 +144,11 @@ class LaunchSettings:
         prefix_timestamp: put a timestamp before each forwarded line's prefix.
         tuning: runtime knobs to pass on.
         env: variables added to every rank's environment (over the parent's).
+        forward_env: names of variables of this environment to forward to remote
+            ranks (``-x NAME``).
+        ssh_port: ``-p/--ssh-port``.
+        ssh_identity_file: ``-i/--ssh-identity-file``.
+        network_interfaces: ``--network-interfaces`` (comma-separated names).
     """
 
     command: tuple[str, ...]
@@ -126,6 +161,10 @@ class LaunchSettings:
     prefix_timestamp: bool = False
     tuning: Tuning = Tuning()
     env: Mapping[str, str] | None = None
+    forward_env: tuple[str, ...] = ()
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    network_interfaces: str | None = None
 
     def validate(self) -> None:
         """Checks the settings that do not need the hosts.
@@ -141,6 +180,10 @@ class LaunchSettings:
         timeout = self.start_timeout
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"--start-timeout={timeout} is not valid: expected a number of seconds > 0")
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise ValueError(f"-p/--ssh-port={self.ssh_port} is not valid: expected a port in [1, 65535]")
+        if self.network_interfaces is not None and not self.network_interfaces.replace(",", "").strip():
+            raise ValueError("--network-interfaces names no interface: expected e.g. eth0 or eth0,eth1")
         self.tuning.validate()
 
 
@@ -174,7 +217,7 @@ def rank_env(
     rendezvous: tuple[str, int],
     secret: bytes,
 ) -> dict[str, str]:
-    """Builds the environment one rank is started with.
+    """Builds the environment one rank on this machine is started with.
 
     Args:
         base: the parent's environment.
@@ -186,7 +229,45 @@ def rank_env(
     Returns:
         The complete environment for the rank's process.
     """
-    env = dict(base)
+    return _with_job(dict(base), settings, slot, rendezvous, secret)
+
+
+def remote_env(
+    base: Mapping[str, str],
+    settings: LaunchSettings,
+    slot: SlotInfo,
+    rendezvous: tuple[str, int],
+    secret: bytes,
+) -> dict[str, str]:
+    """Builds what a rank on another host gets over its login environment there.
+
+    Args: as ``rank_env``.
+
+    Returns:
+        The forwarded variables (see the module docstring) and the job's.
+    """
+    names = set(settings.forward_env)
+    env = {
+        name: value
+        for name, value in base.items()
+        if name in FORWARDED or name in names or name.startswith(FORWARDED_PREFIXES)
+    }
+    env.pop("HORA_SSH_OPTIONS", None)
+    return _with_job(env, settings, slot, rendezvous, secret)
+
+
+def forwarded_missing(base: Mapping[str, str], names: Sequence[str]) -> list[str]:
+    """The ``-x NAME`` names that ``base`` does not set."""
+    return [name for name in names if name not in base]
+
+
+def _with_job(
+    env: dict[str, str],
+    settings: LaunchSettings,
+    slot: SlotInfo,
+    rendezvous: tuple[str, int],
+    secret: bytes,
+) -> dict[str, str]:
     env.update(settings.env or {})
     env.update(topology_env(slot))
     env["HORA_RENDEZVOUS_ADDR"] = rendezvous[0]
@@ -198,5 +279,8 @@ def rank_env(
     elif not inherited:
         env["HORA_START_TIMEOUT"] = repr(DEFAULT_START_TIMEOUT)
     env.update(settings.tuning.env())
+    if settings.network_interfaces is not None:
+        interfaces = ",".join(name.strip() for name in settings.network_interfaces.split(",") if name.strip())
+        env["HORA_IFACE"] = env["HOROVOD_GLOO_IFACE"] = interfaces
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

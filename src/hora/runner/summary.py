@@ -10,8 +10,9 @@ A failed job reads like this (a rank exited with code 3, the others were stopped
         rank 0 (host localhost, pid 4241): stopped by SIGTERM
         rank 2 (host localhost, pid 4243): did not stop within 5 s of SIGTERM: killed by SIGKILL
 
-The first line names the rank that failed on its own earliest, its host, pid and exit
-code or signal; the lines after it show what that rank last wrote to stderr (or the
+The first line names the rank that failed on its own earliest, its host, pid (on that
+host) and exit code or signal, or, for a rank on another host whose ssh connection ended
+without word from the host, that the connection to the host was lost; the lines after it show what that rank last wrote to stderr (or the
 caller's ``detail``, e.g. the traceback ``hora.run`` collected); then one line per
 other rank says how it ended.
 """
@@ -29,7 +30,18 @@ INDENT = "    "
 
 
 def _where(rank: RankOutcome) -> str:
+    if rank.remote:
+        return f"host {rank.slot.hostname} over ssh, pid {rank.pid}"
     return f"host {rank.slot.hostname}, pid {rank.pid}"
+
+
+def _cause(rank: RankOutcome, code: int) -> str:
+    if rank.lost:
+        return (
+            f"lost the ssh connection to host {rank.slot.hostname} (ssh {describe_status(code)}: the host, its sshd "
+            "or the network went away)"
+        )
+    return describe_status(code)
 
 
 def rank_status(rank: RankOutcome, grace: float) -> str:
@@ -74,7 +86,7 @@ def failure_lines(result: JobResult, detail: Sequence[str] | None = None, detail
         shown.add(first.slot.rank)
         when = "" if first.exit_after is None else f", {first.exit_after:.2f} s after start"
         code = first.returncode if first.returncode is not None else 1
-        lines.append(f"{PREFIX}rank {first.slot.rank} failed first: {describe_status(code)} ({_where(first)}{when})")
+        lines.append(f"{PREFIX}rank {first.slot.rank} failed first: {_cause(first, code)} ({_where(first)}{when})")
         if detail is None:
             tail = first.stderr_tail
             if tail:

@@ -1,4 +1,4 @@
-"""One rank's process on this machine: start it, watch it, signal it.
+"""One rank's process, on this machine or on another host over ssh: start it, watch it, signal it.
 
 Each rank starts in a session of its own (``start_new_session=True``), so the rank
 and every process it starts form one process group that ``signal_group`` reaches as
@@ -9,12 +9,22 @@ threads; its stdin is ``/dev/null``.
 A waiter thread per rank blocks in ``wait()`` and, when the rank exits, records the
 exit status and the time, then posts the rank number to the job's event queue.
 
+A rank on another host runs under ``hora.runner.remote`` there, started by a local
+``ssh`` process (``RemoteLaunch``). The spec (command, environment with the job secret,
+working directory) goes down ssh's stdin, which then stays open as the rank's lifeline:
+``signal_group`` writes ``TERM``/``KILL`` into it, and if ``horarun`` dies the pipe closes
+and the supervisor stops the rank. The supervisor's control lines on stderr give the
+rank's remote pid and how it ended (exit code or signal); an ssh that ends without them
+lost its connection (exit status 255 and ssh's own message).
+
 Invariant: only the waiter thread reaps the process; other threads read
 ``returncode`` and ``exit_time`` after the waiter set them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import queue
 import signal
@@ -22,13 +32,38 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
+from typing import IO, Any, BinaryIO
 
 from hora.runner.hosts import SlotInfo
 from hora.runner.output import Sink, StreamForwarder, rank_dir
 
 # Events posted to a job's queue: ("exit", rank) by waiters, ("signal", signum) by handlers.
 Event = tuple[str, int]
+
+_MARKER_WAIT = 2.0  # seconds to wait, after ssh exits, for the last control line
+_SSH_KILL_DELAY = 3.0  # seconds after KILL before the local ssh itself is killed
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteLaunch:
+    """How to start a rank on another host.
+
+    Attributes:
+        ssh_command: the ``ssh`` argument list that runs ``hora.runner.remote`` there.
+        env: the variables the rank gets on top of the remote login environment.
+        cwd: the working directory there.
+        grace: seconds between SIGTERM and SIGKILL when the launcher vanishes.
+    """
+
+    ssh_command: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    grace: float
+
+    def spec(self, command: Sequence[str]) -> bytes:
+        """The JSON line ``hora.runner.remote`` reads first."""
+        data = {"command": list(command), "env": dict(self.env), "cwd": self.cwd, "grace": self.grace}
+        return json.dumps(data).encode() + b"\n"
 
 
 def describe_status(returncode: int) -> str:
@@ -64,17 +99,38 @@ class Worker:
         returncode: the exit status once the rank exited, else None.
         exit_time: ``time.monotonic()`` when the waiter saw the exit, else None.
         signals_sent: the signals ``signal_group`` sent, in order.
+        remote: True for a rank on another host.
+        remote_pid: its pid there, once its supervisor reported it.
+        lost: a remote rank's ssh ended without a word from the supervisor (the
+            connection or the host was lost).
     """
 
-    def __init__(self, slot: SlotInfo, process: subprocess.Popen[bytes], forwarders: list[StreamForwarder]) -> None:
+    def __init__(
+        self,
+        slot: SlotInfo,
+        process: subprocess.Popen[bytes],
+        forwarders: list[StreamForwarder],
+        remote: bool = False,
+    ) -> None:
         self.slot = slot
-        self.pid = process.pid
+        self.local_pid = process.pid
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.signals_sent: list[int] = []
+        self.remote = remote
+        self.remote_pid: int | None = None
+        self.lost = False
+        self._remote_status: dict[str, Any] = {}
+        self._status_seen = threading.Event()
         self._process = process
         self._forwarders = forwarders
         self._waiter: threading.Thread | None = None
+        self._stdin_lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        """The rank's pid: on its own host (the remote pid once known)."""
+        return self.remote_pid if self.remote_pid is not None else self.local_pid
 
     @classmethod
     def start(
@@ -87,8 +143,9 @@ class Worker:
         stderr: Sink,
         output_dir: str | None = None,
         timestamp: bool = False,
+        remote: RemoteLaunch | None = None,
     ) -> Worker:
-        """Starts one rank.
+        """Starts one rank, here or (``remote``) on another host over ssh.
 
         Args:
             slot: where the rank runs.
@@ -99,6 +156,8 @@ class Worker:
             stderr: where the rank's prefixed stderr lines go.
             output_dir: the ``--output-filename`` directory, or None.
             timestamp: prefix forwarded lines with the local time.
+            remote: how to start it on another host; None runs ``command`` here
+                with ``env`` as its whole environment.
 
         Returns:
             The running worker.
@@ -113,9 +172,9 @@ class Worker:
             copies = [open(os.path.join(directory, name), "wb", buffering=0) for name in ("stdout", "stderr")]
         try:
             process = subprocess.Popen(
-                list(command),
+                list(remote.ssh_command) if remote is not None else list(command),
                 env=dict(env),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if remote is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
@@ -127,20 +186,67 @@ class Worker:
             raise
         if process.stdout is None or process.stderr is None:  # pragma: no cover - PIPE always gives both
             raise OSError("subprocess did not create the output pipes")
-        forwarders = [
+        worker = cls(slot, process, [], remote=remote is not None)
+        worker._forwarders = [
             StreamForwarder(process.stdout, slot.rank, "stdout", stdout, copies[0], timestamp).start(),
-            StreamForwarder(process.stderr, slot.rank, "stderr", stderr, copies[1], timestamp).start(),
+            StreamForwarder(
+                process.stderr,
+                slot.rank,
+                "stderr",
+                stderr,
+                copies[1],
+                timestamp,
+                control=worker._on_control if remote is not None else None,
+            ).start(),
         ]
-        worker = cls(slot, process, forwarders)
+        if remote is not None:
+            worker._write(remote.spec(command))
         worker._waiter = threading.Thread(
             target=worker._wait, args=(events,), name=f"hora-rank{slot.rank}-waiter", daemon=True
         )
         worker._waiter.start()
         return worker
 
+    def _on_control(self, data: dict[str, Any]) -> None:
+        if isinstance(data.get("pid"), int):
+            self.remote_pid = data["pid"]
+        if "exit" in data or "signal" in data:
+            self._remote_status = data
+            self._status_seen.set()
+
+    def _write(self, data: bytes) -> bool:
+        """Writes to a remote rank's supervisor; False when the pipe is gone."""
+        stdin: IO[bytes] | None = self._process.stdin
+        if stdin is None:
+            return False
+        with self._stdin_lock:
+            try:
+                stdin.write(data)
+                stdin.flush()
+            except (OSError, ValueError):
+                return False
+        return True
+
     def _wait(self, events: queue.SimpleQueue[Event]) -> None:
         returncode = self._process.wait()
-        self.exit_time = time.monotonic()
+        exit_time = time.monotonic()
+        if self.remote:
+            # The supervisor's last control line may still be in the pipe.
+            self._status_seen.wait(_MARKER_WAIT)
+            status = self._remote_status
+            if isinstance(status.get("signal"), int):
+                returncode = -status["signal"]
+            elif isinstance(status.get("exit"), int):
+                returncode = status["exit"]
+            else:
+                self.lost = True
+            if self._process.stdin is not None:
+                with self._stdin_lock:
+                    try:
+                        self._process.stdin.close()
+                    except OSError:
+                        pass
+        self.exit_time = exit_time
         self.returncode = returncode
         events.put(("exit", self.slot.rank))
 
@@ -164,10 +270,43 @@ class Worker:
             signum: the signal, e.g. ``signal.SIGTERM``.
         """
         self.signals_sent.append(signum)
+        if self.remote:
+            self._signal_remote(signum)
+            return
         try:
-            os.killpg(self.pid, signum)
+            os.killpg(self.local_pid, signum)
         except ProcessLookupError:
             pass
+
+    def kill_leftovers(self) -> None:
+        """SIGKILLs what is left of an exited local rank's process group (its children).
+
+        Not recorded in ``signals_sent``: the rank itself had ended. A remote rank's
+        supervisor cleans up its host itself.
+        """
+        if self.remote or self.running:
+            return
+        try:
+            os.killpg(self.local_pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _signal_remote(self, signum: int) -> None:
+        word = {int(signal.SIGTERM): b"TERM\n", int(signal.SIGKILL): b"KILL\n"}.get(signum)
+        delivered = word is not None and self._write(word)
+        if signum == signal.SIGKILL or not delivered:
+            # The supervisor gets the KILL, and stdin's end of file as a second word. If ssh
+            # is still there a while later the host or the network is gone: end ssh here.
+            timer = threading.Timer(_SSH_KILL_DELAY if delivered else 0.0, self._kill_ssh)
+            timer.daemon = True
+            timer.start()
+
+    def _kill_ssh(self) -> None:
+        if self.running:
+            try:
+                os.killpg(self.local_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def join_output(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds in all for the rank's output to be drained.

@@ -1,6 +1,6 @@
 """The rendezvous protocol: a tiny authenticated key-value store that ranks meet through.
 
-``horarun`` runs the server (``hora.runner.rendezvous``); each rank connects with
+``horarun`` (or rank 0) runs the server (``hora.transport.rendezvous_server``); each rank connects with
 ``RendezvousClient``, publishes its address with ``put`` and learns its peers' with
 ``wait``, which blocks on the server until every key exists or the timeout passes, and
 then names the keys (hence the ranks) that never arrived.
@@ -11,10 +11,8 @@ Frames (see ``tcp.FRAME_HEADER``), after the HMAC handshake:
 
 from __future__ import annotations
 
-import socket
-
 from hora.errors import ProtocolError
-from hora.transport import auth, tcp
+from hora.transport import auth, netif, tcp
 from hora.transport.codec import Reader, Writer
 
 PUT = 1
@@ -126,9 +124,5 @@ class RendezvousClient:
 
 
 def is_loopback(host: str) -> bool:
-    """True when ``host`` names this machine's loopback interface."""
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return False
-    return address.startswith("127.")
+    """True when ``host`` names this machine's loopback interface (``netif.is_loopback``)."""
+    return netif.is_loopback(host)
