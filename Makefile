@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 
 install: $(STAMP)
 
-# A data-parallel training job on scikit-learn's digits, 2 ranks, through horarun.
+# A data-parallel PyTorch training job on scikit-learn's digits, 2 ranks, through horarun.
 demo: $(STAMP)
-	$(VENV)/bin/horarun -np 2 $(PY) examples/numpy/train_digits.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/horarun -np 2 $(PY) examples/pytorch/train_digits.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -75,12 +75,20 @@ def duplicate_and_local_errors_job() -> list[str]:
 
     hvd.init()
     messages = []
-    handle = hvd.allreduce_async(np.ones(3), name="dup")
-    try:
-        hvd.allreduce_async(np.ones(3), name="dup")
-    except ValueError as exc:
-        messages.append(str(exc))
-    hvd.synchronize(handle)
+    for checker in range(hvd.size()):
+        # The checker's first "dup" cannot finish before the others submit theirs, which
+        # they do only after the barrier: its second submission meets it in flight.
+        if hvd.rank() == checker:
+            handle = hvd.allreduce_async(np.ones(3), name="dup")
+            try:
+                hvd.allreduce_async(np.ones(3), name="dup")
+            except ValueError as exc:
+                messages.append(str(exc))
+            hvd.barrier()
+        else:
+            hvd.barrier()
+            handle = hvd.allreduce_async(np.ones(3), name="dup")
+        hvd.synchronize(handle)
     hvd.allreduce(np.ones(3), name="dup")  # the name is free again
     for call in (
         lambda: hvd.alltoall(np.ones(3), name="a"),  # 3 rows do not split evenly over 2 ranks

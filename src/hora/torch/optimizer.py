@@ -1,0 +1,428 @@
+"""DistributedOptimizer: averages gradients across ranks while the backward pass runs.
+
+``DistributedOptimizer(optimizer, ...)`` wraps the user's optimizer instead of
+generating a subclass of it at run time. The wrapper *is* the same optimizer as far
+as the rest of PyTorch can tell: its ``param_groups``, ``state`` and ``defaults`` are
+the wrapped optimizer's own objects, ``isinstance(opt, torch.optim.SGD)`` holds for a
+wrapped SGD (as it does with Horovod), step hooks and ``state_dict`` go to the wrapped
+optimizer, and LR schedulers bind to the wrapper and change the shared ``lr``.
+
+A post-accumulate-grad hook on every parameter starts the allreduce of its gradient
+(in place, asynchronously) as soon as backward has accumulated it, so communication
+overlaps the rest of the backward pass and the engine fuses the gradients that are
+ready together. ``step()`` waits for them, then steps the wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hora.api import broadcast_object, size, synchronize
+from hora.collectives.reduce import ADASUM, AVERAGE
+from hora.compression import Compression, Compressor
+from hora.process_sets import ProcessSet, global_process_set
+from hora.torch.collectives import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
+from hora.torch.wrapper import (
+    _TOO_MANY_PASSES,
+    _ZERO_GRAD_MISUSE,
+    WrappedOptimizer,
+    _check_passes,
+    _hook_for,
+    _Names,
+    _register_hook,
+    _remove_hooks,
+    _trainable,
+)
+
+Unit = tuple[torch.Tensor, ...]
+"""The parameters whose gradients travel in one collective: one parameter, or one group."""
+
+
+class _Pending:
+    """One launched collective: how to wait for it and where its results go."""
+
+    def __init__(self, wait: Callable[[], list[torch.Tensor]], finish: Callable[[list[torch.Tensor]], None]) -> None:
+        self.wait = wait
+        self.finish = finish
+
+
+class _DistributedOptimizer(WrappedOptimizer):
+    """Gradient allreduce around a wrapped optimizer (see ``DistributedOptimizer``)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[Any] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: int,
+        gradient_predivide_factor: float,
+        groups: int | list[list[torch.Tensor]] | None,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
+        super().__init__(optimizer)
+        self._names = _Names(optimizer, named_parameters)
+        self._compression = compression
+        self.backward_passes_per_step = _check_passes(backward_passes_per_step)
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._groups = _check_groups(groups)
+        self._delay: dict[torch.Tensor, int] = {}
+        self._units: list[Unit] = []  # in the same order on every rank
+        self._unit_of: dict[torch.Tensor, int] = {}  # parameter -> index in _units
+        self._ready: list[int] = []  # per unit: gradients ready this step
+        # Invariant: a unit's index is a key of _handles from the first hook of a step until
+        # synchronize(); its value is None until its collective is launched.
+        self._handles: dict[int, _Pending | None] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks: list[RemovableHandle] = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._active = bool(process_set.included()) and ((size() > 1) or os.environ.get("HOROVOD_ELASTIC") == "1")
+        if self._active:
+            self._register(_trainable(optimizer))
+
+    # ----- set-up -----
+
+    def _register(self, params: list[torch.Tensor]) -> None:
+        known = {id(q) for q in self._delay}
+        params = [p for p in params if id(p) not in known]
+        if not params:
+            return
+        if self._groups is None:
+            units: list[Unit] = [(p,) for p in params]
+        else:
+            units = self._form_groups(params)
+        for unit in units:
+            for p in unit:
+                self._unit_of[p] = len(self._units)
+            self._units.append(unit)
+            self._ready.append(0)
+        for p in params:
+            self._delay[p] = self.backward_passes_per_step
+            self._hooks.append(_register_hook(p, _hook_for(self, p)))
+
+    def _form_groups(self, params: list[torch.Tensor]) -> list[Unit]:
+        # Every rank orders the parameters as rank 0 does, so groups match across ranks.
+        order = broadcast_object([self._names[p] for p in params], root_rank=0, process_set=self.process_set)
+        position = {name: i for i, name in enumerate(order)}
+        missing = [self._names[p] for p in params if self._names[p] not in position]
+        if missing:
+            raise ValueError(f"DistributedOptimizer groups: parameters {missing} are not named on rank 0")
+        params = sorted(params, key=lambda p: position[self._names[p]])
+        if isinstance(self._groups, list):
+            ids = {id(p) for p in params}
+            units = [tuple(p for p in group if id(p) in ids) for group in self._groups]
+            grouped = {id(p) for unit in units for p in unit}
+            units += [(p,) for p in params if id(p) not in grouped]
+        else:
+            units = [tuple(chunk) for chunk in _split_list(params, int(self._groups or 1))]
+        return [unit for unit in units if unit]
+
+    def _on_new_params(self, params: list[torch.Tensor]) -> None:
+        self._names.add(self._optimizer, params)
+        if self._active:
+            self._register([p for p in params if p.requires_grad])
+
+    def _reset(self) -> None:
+        # Allreduces already started run on every rank: let them finish, so their names are free.
+        launched = [pending for pending in self._handles.values() if pending is not None]
+        self._handles.clear()
+        for pending in launched:
+            pending.wait()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._ready = [0] * len(self._units)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = _check_passes(passes)
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+    # ----- during backward -----
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        index = self._unit_of[p]
+        unit = self._units[index]
+        if p.grad is not None and p.grad.requires_grad:
+            raise ValueError(
+                "DistributedOptimizer cannot reduce gradients that require grad (backward(create_graph=True))"
+            )
+        if self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        self._handles.setdefault(index, None)
+        if self._delay[p] == 0:
+            self._ready[index] += 1
+            if self._ready[index] == len(unit):
+                self._handles[index] = self._launch(unit)
+
+    def _scales(self) -> tuple[float, float]:
+        if self.op == AVERAGE:
+            # Split the average between the two sides of the sum (the core divides by the size).
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _launch(self, unit: Unit) -> _Pending:
+        """Starts the allreduce of the unit's gradients (zeros for a parameter without one)."""
+        for p in unit:
+            if p.grad is None:
+                # No gradient on this rank this step; other ranks may have one.
+                p.grad = torch.zeros_like(p)
+        name = self._names[unit[0]]
+        first = unit[0].grad
+        alone = len(unit) == 1 and self._groups is None
+        if alone and first is not None and first.is_sparse and not self.sparse_as_dense:
+            p = unit[0]
+            wait_sparse = sparse_allreduce_async(first, name=name, op=self.op, process_set=self.process_set)
+
+            def finish_sparse(results: list[torch.Tensor]) -> None:
+                p.grad = results[0]
+
+            return _Pending(lambda: [wait_sparse()], finish_sparse)
+        sends, contexts = [], []
+        for p in unit:
+            grad = p.grad
+            assert grad is not None  # invariant: set above
+            if grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise ValueError(
+                        f"DistributedOptimizer: parameter '{self._names[p]}' has a sparse gradient and is in a "
+                        "group; grouped allreduce needs dense gradients (pass sparse_as_dense=True)"
+                    )
+                grad = grad.to_dense()
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            compressed, ctx = self._compression.compress(grad)
+            sends.append(compressed)
+            contexts.append(ctx)
+        prescale, postscale = self._scales()
+        if self._groups is None:
+            handle = allreduce_async_(
+                sends[0], name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=self.process_set,
+            )  # fmt: skip
+        else:
+            handle = grouped_allreduce_async_(
+                sends, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=self.process_set,
+            )  # fmt: skip
+
+        def wait() -> list[torch.Tensor]:
+            result = synchronize(handle)
+            return result if isinstance(result, list) else [result]
+
+        def finish(results: list[torch.Tensor]) -> None:
+            for p, result, ctx in zip(unit, results, contexts):
+                reduced = self._compression.decompress(result, ctx)
+                grad = p.grad
+                assert grad is not None  # invariant: set at launch
+                if grad.is_sparse:
+                    p.grad = reduced.to_sparse()
+                elif reduced is not grad:
+                    grad.copy_(reduced)
+
+        return _Pending(wait, finish)
+
+    # ----- step -----
+
+    def synchronize(self) -> None:
+        """Waits for every gradient's allreduce and writes the results into ``p.grad``.
+
+        Gradients whose allreduce has not started (a parameter unused this step, or
+        fewer backward passes than ``backward_passes_per_step``) are reduced now.
+        """
+        if not self.process_set.included() or not self._active:
+            self._synchronized = True
+            return
+        for index, unit in enumerate(self._units):  # the same order on every rank
+            if self._handles.get(index) is None:
+                self._handles[index] = self._launch(unit)
+        try:
+            for index in range(len(self._units)):
+                pending = self._handles[index]
+                assert pending is not None  # invariant: launched above
+                pending.finish(pending.wait())
+        finally:
+            self._handles.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+            self._ready = [0] * len(self._units)
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """A context in which ``step()`` does not synchronize; use it after an explicit ``synchronize()``::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Waits for the gradients' allreduces, then steps the wrapped optimizer.
+
+        With a ``closure`` (which recomputes the loss and gradients), the gradients the
+        closure computes are reduced before the wrapped optimizer uses them.
+        """
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
+            if self._handles or closure is None:
+                self.synchronize()
+        self._synchronized = False
+        if closure is None or not self._should_synchronize:
+            return self._optimizer.step(closure)
+
+        def synchronized_closure() -> Any:
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False
+            return loss
+
+        return self._optimizer.step(synchronized_closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients.
+
+        Raises:
+            AssertionError: gradients are still being reduced (called between
+                ``backward()`` and ``step()``/``synchronize()``).
+        """
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD_MISUSE)
+        self._optimizer.zero_grad(set_to_none)
+
+
+def _check_groups(groups: int | list[list[torch.Tensor]] | None) -> int | list[list[torch.Tensor]] | None:
+    if groups is None:
+        return None
+    if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+    return groups
+
+
+def _split_list(items: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """Splits into ``n`` nearly equal consecutive chunks (the first ones one longer)."""
+    q, r = divmod(len(items), n)
+    return [items[i * q + min(i, r) : (i + 1) * q + min(i + 1, r)] for i in range(n)]
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[Any] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> WrappedOptimizer:
+    """Wraps an optimizer so that ``step()`` applies gradients averaged over all ranks.
+
+    Each gradient's allreduce starts as soon as backward has computed it, in parallel
+    with the rest of the backward pass; ``step()`` waits for them and then steps the
+    wrapped optimizer. Call ``hvd.init()`` first, then::
+
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    To change gradients before the step (clipping), synchronize first::
+
+        loss.backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to wrap. It stays usable: the wrapper
+            shares its parameter groups and state.
+        named_parameters: ``(name, parameter)`` pairs, usually ``model.named_parameters()``,
+            naming each gradient's allreduce; default names are by position.
+        compression: ``Compression.fp16`` sends floating-point gradients as float16.
+        backward_passes_per_step: backward passes that accumulate gradients locally
+            before one allreduce and one step.
+        op: Average (default), Sum or Adasum (Adasum: each rank steps locally and the
+            ranks combine their weight changes with Adasum; needs a power-of-two number
+            of ranks and the global process set).
+        gradient_predivide_factor: with Average, gradients are multiplied by
+            ``1 / gradient_predivide_factor`` before the sum and by
+            ``gradient_predivide_factor / size`` after it.
+        num_groups: deprecated; use ``groups``.
+        groups: an int ``n`` reduces the gradients in ``n`` groups of consecutive
+            parameters (each group one grouped allreduce once all its gradients are
+            ready); a list of lists of parameters gives the groups explicitly (others
+            travel alone). None lets the engine fuse whatever is ready.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks whose gradients are averaged (ranks outside it step
+            on their local gradients).
+
+    Returns:
+        The wrapped optimizer, with ``synchronize()``, ``skip_synchronize()`` and
+        ``set_backward_passes_per_step()`` added.
+
+    Raises:
+        ValueError: ``backward_passes_per_step`` is not positive, a predivide factor
+            with an op other than Average, bad ``groups``, or duplicate or missing
+            names in ``named_parameters``.
+        NotImplementedError: Adasum with a process set other than the global one.
+    """
+    world = size()  # raises a clear error before hvd.init()
+    if gradient_predivide_factor != 1.0 and op != AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if op != ADASUM or world == 1:
+        return _DistributedOptimizer(
+            optimizer, named_parameters, compression, backward_passes_per_step, op,
+            gradient_predivide_factor, groups, sparse_as_dense, process_set,
+        )  # fmt: skip
+    if process_set is not global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
+
+    return _DistributedAdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step)

@@ -1,0 +1,150 @@
+"""Torch tensors as hora moves them: zero-copy views of CPU memory, host staging for the rest.
+
+A CPU tensor is handed to the core as a flat NumPy view of its own storage
+(``tensor.numpy()``), so the in-place collectives write straight into the tensor
+and the out-of-place ones read it without a copy. bfloat16, which NumPy lacks,
+travels as its raw 16 bits (a ``uint16`` view) under the core's BFLOAT16 code.
+
+Tensors on another device (CUDA, XPU, MPS, ...) are staged through host memory:
+copied to a CPU tensor when the collective is submitted and copied back when
+``synchronize`` returns, both on the calling thread. hora has no GPU data plane yet,
+so this costs two device-host copies per collective; it is correct, not fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from hora import ops
+from hora.collectives.reduce import DataType
+
+_WIRE: dict[torch.dtype, DataType] = {
+    torch.uint8: DataType.UINT8,
+    torch.int8: DataType.INT8,
+    torch.int16: DataType.INT16,
+    torch.int32: DataType.INT32,
+    torch.int64: DataType.INT64,
+    torch.float16: DataType.FLOAT16,
+    torch.float32: DataType.FLOAT32,
+    torch.float64: DataType.FLOAT64,
+    torch.bool: DataType.BOOL,
+    torch.bfloat16: DataType.BFLOAT16,
+}
+
+_CPU = torch.device("cpu")
+
+
+@dataclasses.dataclass
+class Staged:
+    """A tensor prepared for a collective.
+
+    Attributes:
+        tensor: the caller's tensor.
+        host: a CPU tensor holding the data the collective reads (and, for in-place
+            collectives, writes): the caller's own storage for a contiguous CPU tensor.
+        wire: the flat NumPy view of ``host`` the core moves.
+    """
+
+    tensor: torch.Tensor
+    host: torch.Tensor
+    wire: ops.Tensor
+
+    @property
+    def staged(self) -> bool:
+        """True when ``host`` is a copy (a tensor on another device), not the tensor's own memory."""
+        return self.tensor.device.type != "cpu"
+
+
+def wire_type(tensor: torch.Tensor) -> DataType:
+    """Returns the core's type code for the tensor's dtype.
+
+    Raises:
+        ValueError: ``Tensor type ... is not supported.`` (with what is).
+    """
+    code = _WIRE.get(tensor.dtype)
+    if code is None:
+        supported = ", ".join(str(d) for d in _WIRE)
+        raise ValueError(f"Tensor type {_type_name(tensor)} is not supported. hora moves {supported}.")
+    return code
+
+
+def _type_name(tensor: torch.Tensor) -> str:
+    try:
+        return tensor.type()
+    except (TypeError, RuntimeError):  # dtypes without a legacy tensor type name
+        return str(tensor.dtype)
+
+
+def numpy_view(host: torch.Tensor) -> np.ndarray:
+    """A flat NumPy view of a contiguous CPU tensor's elements (bfloat16 as uint16); no copy."""
+    if host.dtype == torch.bfloat16:
+        array = host.view(torch.int16).numpy().view(np.uint16)
+    else:
+        array = host.numpy()
+    return array.reshape(-1)
+
+
+def stage(tensor: torch.Tensor, *, writable: bool, what: str) -> Staged:
+    """Prepares ``tensor`` for a collective.
+
+    Args:
+        tensor: the caller's tensor (any device; gradients are not tracked here).
+        writable: the collective writes its result into the tensor (the ``_`` variants),
+            so the tensor must be contiguous: a copy would not update it.
+        what: the operation, for messages.
+
+    Raises:
+        ValueError: a sparse, meta or non-contiguous (in-place) tensor, or an
+            unsupported dtype.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what} needs a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        hint = ""
+        if tensor.is_sparse:
+            hint = " (use sparse_allreduce_async, or sparse_as_dense=True in DistributedOptimizer)"
+        raise ValueError(f"{what}: {tensor.layout} tensors are not supported; pass a dense tensor{hint}")
+    dtype = wire_type(tensor)
+    if tensor.device.type == "meta":
+        raise ValueError(f"{what}: a tensor on the meta device has no data to send")
+    if writable and not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    host = tensor.detach()
+    if host.device.type != "cpu":
+        # Staged through host memory (hora has no device data plane yet).
+        host = host.to(_CPU).contiguous()
+    elif writable:
+        if host.is_neg() or host.is_conj():
+            raise ValueError(
+                f"{what}: in-place collectives need a tensor without a lazy negation; call resolve_neg() first"
+            )
+    else:
+        host = host.resolve_neg().resolve_conj().contiguous()
+    return Staged(tensor, host, ops.Tensor(numpy_view(host), tuple(host.shape), dtype))
+
+
+def empty_host(staged: Staged) -> torch.Tensor:
+    """A new CPU tensor shaped like the staged one, for an out-of-place result."""
+    return torch.empty(staged.host.shape, dtype=staged.host.dtype)
+
+
+def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Wraps a result array from the core as a CPU tensor of ``dtype``; no copy."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Moves a CPU result to the device of ``like`` (a no-op for CPU tensors)."""
+    return result if like.device.type == "cpu" else result.to(like.device)
+
+
+def write_back(staged: Staged) -> torch.Tensor:
+    """Completes an in-place collective: copies a staged result back to the tensor's device."""
+    if staged.staged:
+        staged.tensor.data.copy_(staged.host)
+    return staged.tensor
