@@ -116,7 +116,7 @@ def test_before_init_raises(fresh):
         hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
 
 
-def test_one_process(fresh):
+def test_one_process(fresh, tmp_path):
     hvd.init()
     assert (hvd.rank(), hvd.size()) == (0, 1)
     t = torch.arange(6.0).reshape(2, 3)
@@ -125,9 +125,11 @@ def test_one_process(fresh):
     x = torch.ones(3, requires_grad=True)
     (hvd.allreduce(x) * 2).sum().backward()
     assert x.grad.tolist() == [2.0, 2.0, 2.0]
-    with pytest.warns(RuntimeWarning, match="does not record timelines"):
-        hvd.start_timeline("/tmp/timeline.json")
+    timeline = tmp_path / "timeline.json"
+    hvd.start_timeline(str(timeline))
+    hvd.allreduce(torch.ones(2), name="traced")
     hvd.stop_timeline()
+    assert "allreduce.traced" in timeline.read_text()
     assert hvd.join() == 0
     # At size 1 DistributedOptimizer steps like the optimizer it wraps.
     model = torch.nn.Linear(2, 1)

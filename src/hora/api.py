@@ -11,7 +11,6 @@ import atexit
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -235,17 +234,24 @@ def rocm_built(verbose: bool = False) -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's call to start recording a timeline. hora does not record timelines yet:
-    this warns and does nothing, so scripts that call it still run."""
-    current()
-    warnings.warn(
-        f"hora does not record timelines yet; start_timeline({file_path!r}) does nothing", RuntimeWarning, stacklevel=2
-    )
+    """Starts recording a timeline (a Chrome trace) of every collective into ``file_path``.
+
+    Rank 0 records (the coordinator sees every rank's requests); on other ranks this
+    does nothing. Unlike Horovod, this needs no ``HOROVOD_TIMELINE=DYNAMIC``.
+
+    Args:
+        file_path: the file to write, replaced if it exists.
+        mark_cycles: also mark each busy pass of the engine loop.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+    current().engine.set_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Horovod's call to stop recording a timeline; nothing to stop in hora (see ``start_timeline``)."""
-    current()
+    """Stops recording the timeline and closes its file (a complete JSON array)."""
+    current().engine.set_timeline(None)
 
 
 def poll(handle: int) -> bool:

@@ -17,10 +17,12 @@ Runtime knobs
     ``HORA_SHARED_MEMORY`` (1: ranks on one machine move data through shared memory),
     ``HORA_SHM_STAGING_MB`` (16: each rank's shared staging buffer),
     ``HORA_HIERARCHICAL_ALLREDUCE`` (unset: chosen per process set; 1/0: force on/off),
-    ``HORA_THREAD_AFFINITY`` (one CPU core per local rank for the engine thread).
+    ``HORA_THREAD_AFFINITY`` (one CPU core per local rank for the engine thread),
+    ``HORA_TIMELINE`` (a file rank 0 writes a Chrome trace to; ``DYNAMIC``: none until
+    ``start_timeline``), ``HORA_TIMELINE_MARK_CYCLES``.
 
 Read and validated, without effect (``init()`` warns when they are set)
-    ``HORA_TIMELINE``, ``HORA_TIMELINE_MARK_CYCLES``, ``HORA_AUTOTUNE`` (and its
+    ``HORA_AUTOTUNE`` (and its
     ``_LOG``, ``_WARMUP_SAMPLES``, ``_STEPS_PER_SAMPLE``, ``_BAYES_OPT_MAX_SAMPLES``,
     ``_GAUSSIAN_PROCESS_NOISE``), ``HORA_HIERARCHICAL_ALLGATHER``,
     ``HORA_TORUS_ALLREDUCE``, ``HORA_NUM_NCCL_STREAMS``, ``HORA_MPI_THREADS_DISABLE``.
@@ -211,8 +213,6 @@ class Extras:
     ``init()`` can say that they have no effect instead of ignoring them silently.
     """
 
-    timeline: str | None = None
-    timeline_mark_cycles: bool = False
     autotune: bool = False
     autotune_log: str | None = None
     autotune_warmup_samples: int = 3
@@ -269,6 +269,8 @@ class Config:
     extras: Extras = Extras()
     hierarchical_allreduce: bool | None = None
     thread_affinity: tuple[int, ...] = ()
+    timeline: str | None = None
+    timeline_mark_cycles: bool = False
     shared_memory: bool = True
     shm_staging_bytes: int = 16 * 1024 * 1024
 
@@ -341,6 +343,8 @@ class Config:
             hierarchical_allreduce=None if env.raw("HORA_HIERARCHICAL_ALLREDUCE") is None
             else env.flag("HORA_HIERARCHICAL_ALLREDUCE"),
             thread_affinity=_cores(env),
+            timeline=env.text("HORA_TIMELINE"),
+            timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
             shared_memory=env.flag("HORA_SHARED_MEMORY", True),
             shm_staging_bytes=env.integer("HORA_SHM_STAGING_MB", 16, lo=1, hi=4096) * 1024 * 1024,
         )
@@ -467,8 +471,6 @@ def _cores(env: _Reader) -> tuple[int, ...]:
 
 def _read_extras(env: _Reader) -> Extras:
     return Extras(
-        timeline=env.text("HORA_TIMELINE"),
-        timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
         autotune=env.flag("HORA_AUTOTUNE"),
         autotune_log=env.text("HORA_AUTOTUNE_LOG"),
         autotune_warmup_samples=env.integer("HORA_AUTOTUNE_WARMUP_SAMPLES", 3),

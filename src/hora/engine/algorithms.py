@@ -29,6 +29,10 @@ class Collectives(Protocol):
     def size(self) -> int:
         """The number of ranks in the set."""
 
+    @property
+    def label(self) -> str:
+        """The transport, for the timeline: ``SHM``, ``TCP_RING`` or ``HIERARCHICAL``."""
+
     def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
         """Reduces ``buffer`` in place; every rank gets the result."""
 
@@ -85,6 +89,10 @@ class TcpCollectives:
     def reads_only(self) -> bool:
         return False  # the ring reduces in place
 
+    @property
+    def label(self) -> str:
+        return "TCP_RING"
+
     def _scratch_for(self, count: int, dtype: np.dtype[np.generic]) -> np.ndarray:
         nbytes = count * dtype.itemsize
         if self._scratch.size < nbytes:
@@ -134,6 +142,10 @@ class SharedCollectives(TcpCollectives):
     def reads_only(self) -> bool:
         return True
 
+    @property
+    def label(self) -> str:
+        return "SHM"
+
     def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
         shm_ops.allreduce(self._group, buffer, reduce)
 
@@ -170,6 +182,10 @@ class HierarchicalCollectives(TcpCollectives):
         super().__init__(flat)
         self._local = local
         self._cross = cross
+
+    @property
+    def label(self) -> str:
+        return "HIERARCHICAL"
 
     def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
         bounds = ring.even_bounds(buffer.size, self._local.size)

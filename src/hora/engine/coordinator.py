@@ -25,6 +25,7 @@ from hora.engine import fusion, validate
 from hora.engine.cache import CoordinatorCache
 from hora.engine.messages import Request, RequestType, Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
+from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 
 GLOBAL = 0
@@ -76,6 +77,7 @@ class Coordinator:
         self._departed: set[int] = set()  # ranks that shut down; collectives needing them fail
         self._last_joined = -1
         self._next_set_id = 1
+        self.timeline: Timeline | None = None  # set while rank 0 records one
 
     def submit_cached(self, rank: int, cache_id: int) -> None:
         """Records that ``rank`` submitted, unchanged, the tensor cached under ``cache_id``.
@@ -109,6 +111,10 @@ class Coordinator:
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = _Pending({}, self._clock())
+            if self.timeline is not None:
+                self.timeline.begin(request.name, f"NEGOTIATE_{request.type.name}")
+        if self.timeline is not None:
+            self.timeline.tick(request.name, str(request.rank))
         pending.requests[request.rank] = request
         if cache_id >= 0:
             pending.cached[request.rank] = cache_id
@@ -122,6 +128,8 @@ class Coordinator:
             members = self.sets.get(key[0]) or ()
             if rank in members:
                 del self._pending[key]
+                if self.timeline is not None:
+                    self.timeline.end(key[1])
                 request = next(iter(pending.requests.values()))
                 waiting = tuple(r for r in sorted(pending.requests) if r == rank or r not in self._departed)
                 self._emit(_aborted(request.label, key[1], key[0], {rank}), waiting)
@@ -171,6 +179,8 @@ class Coordinator:
         if any(rank not in pending.requests and rank not in self._joined for rank in members):
             return
         del self._pending[key]
+        if self.timeline is not None:
+            self.timeline.end(key[1])
         requests = [pending.requests[rank] for rank in sorted(pending.requests)]
         ids = set(pending.cached.values())
         if len(ids) == 1 and len(pending.cached) == len(requests) and not self._joined.intersection(members):
@@ -224,6 +234,8 @@ class Coordinator:
         members = self.sets.ranks(set_id)
         for key in [key for key in self._pending if key[0] == set_id]:
             pending = self._pending.pop(key)
+            if self.timeline is not None:
+                self.timeline.end(key[1])
             request = next(iter(pending.requests.values()))
             error = f"{request.label}: process set {set_id} was removed before every rank submitted it"
             self._emit(Response(ResponseType.ERROR, [key[1]], set_id, error=error), members)

@@ -46,6 +46,7 @@ from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.shm_group import ShmGroup
 from hora.engine.stall import StalledError, StallInspector
+from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
@@ -111,6 +112,12 @@ class Engine:
         self._by_fd = {link.fileno(): link for link in self._links.values()}
         for fd in self._by_fd:
             self._poller.register(fd, select.POLLIN)
+        self._timeline: Timeline | None = None
+        self._timeline_request: tuple[str | None, bool] | None = None
+        self._timeline_applied = threading.Event()
+        self._timeline_error: OSError | None = None
+        if self._coordinator is not None and config.timeline and config.timeline != "DYNAMIC":
+            self._use_timeline(Timeline(config.timeline, config.timeline_mark_cycles))
         self._stop_requested = False
         self._last_work = 0.0  # perf_counter time the loop last did something
         self._leaving_since: float | None = None  # set once this rank began to leave
@@ -138,6 +145,25 @@ class Engine:
         self._wake()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def set_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
+        """Starts recording a timeline into ``path`` (rank 0 only), or stops with None.
+
+        Blocks until the engine thread has switched, so the file is complete on return
+        from a stop.
+
+        Raises:
+            OSError: the file cannot be created.
+        """
+        if self._coordinator is None or not self._thread.is_alive():
+            return
+        self._timeline_applied.clear()
+        self._timeline_request = (path, mark_cycles)
+        self._wake()
+        self._timeline_applied.wait()
+        error = self._timeline_error
+        if error is not None:
+            raise error
 
     def _wake(self) -> None:
         try:
@@ -167,9 +193,30 @@ class Engine:
         finally:
             self._close()
 
+    def _use_timeline(self, timeline: Timeline | None) -> None:
+        if self._timeline is not None:
+            self._timeline.close()
+        self._timeline = timeline
+        if self._coordinator is not None:
+            self._coordinator.timeline = timeline
+        self._executor.timeline = timeline
+
+    def _apply_timeline_request(self) -> None:
+        request, self._timeline_request = self._timeline_request, None
+        if request is None:
+            return
+        path, mark_cycles = request
+        self._timeline_error = None
+        try:
+            self._use_timeline(None if path is None else Timeline(path, mark_cycles))
+        except OSError as exc:
+            self._timeline_error = exc
+        self._timeline_applied.set()
+
     def _loop(self) -> None:
         while True:
             self._wait()
+            self._apply_timeline_request()
             self._read_control()
             if self._stop_requested and self._leaving_since is None:
                 self._begin_leaving()
@@ -186,6 +233,8 @@ class Engine:
                 self._announce(new)
             if self._coordinator is not None:
                 self._distribute(self._coordinator.take())
+            if self._timeline is not None and (new or self._responses):
+                self._timeline.cycle()
             while self._responses:
                 self._executor.run(self._responses.popleft())
             if self._stall is not None and self._coordinator is not None:
@@ -208,6 +257,8 @@ class Engine:
                 waiting = ", ".join(map(str, sorted(self._links)))
                 log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
         events = self._poller.poll(0)
+        if not events and timeout_ms != 0 and self._timeline is not None:
+            self._timeline.flush()  # about to idle: the file on disk is complete
         if not events and timeout_ms != 0:
             spin_until = self._last_work + SPIN_AFTER_WORK
             while not events and time.perf_counter() < spin_until:
@@ -451,6 +502,8 @@ class Engine:
             pass  # the peer is gone or its buffer is full: it learns from the closed link
 
     def _close(self) -> None:
+        self._use_timeline(None)
+        self._timeline_applied.set()  # a start_timeline racing with the end does not wait forever
         self.queue.close(internal_error(self.failure or f"hora has shut down on rank {self.rank}"))
         if self._domain is not None:
             self._domain.close()

@@ -22,6 +22,7 @@ from hora.collectives.reduce import SUM, DataType, reducer, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue
+from hora.engine.timeline import Timeline
 from hora.errors import CollectiveMismatchError, HoraInternalError
 
 
@@ -47,6 +48,7 @@ class Executor:
         self.queue = queue
         self._collectives_for = collectives_for
         self.cache = RankCache()
+        self.timeline: Timeline | None = None  # set while rank 0 records one
         self._fusion = np.empty(0, dtype=np.uint8)
 
     def run(self, response: Response) -> None:
@@ -78,6 +80,30 @@ class Executor:
             self._complete(response, response.names[0], None)
             return
         channel = self._collectives_for(self.sets.ranks(response.process_set_id))
+        timeline = self.timeline
+        if timeline is not None:
+            args = self._trace_args(response)
+            for name in response.names:
+                timeline.begin(name, kind.name)
+                timeline.begin(name, f"{channel.label}_{kind.name}")
+        self._execute(response, channel)
+        if timeline is not None:
+            for name in response.names:
+                timeline.end(name)
+                timeline.end(name, args.get(name))
+
+    def _trace_args(self, response: Response) -> dict[str, dict[str, str]]:
+        """The dtype and shape of each local tensor of a response, for the timeline."""
+        dtype = DataType(response.dtype).label
+        args = {}
+        for name in response.names:
+            entry = self.queue.peek(response.process_set_id, name)
+            if entry is not None:
+                args[name] = {"dtype": dtype, "shape": str(list(entry.shape))}
+        return args
+
+    def _execute(self, response: Response, channel: Collectives) -> None:
+        kind = response.type
         if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             self._allreduce(response, channel)
             return

@@ -96,6 +96,11 @@ class TensorQueue:
             new, self._new = self._new, []
             return new
 
+    def peek(self, set_id: int, name: str) -> Entry | None:
+        """Returns the entry without removing it, or None if this rank never submitted it."""
+        with self._lock:
+            return self._entries.get((set_id, name))
+
     def pop(self, set_id: int, name: str) -> Entry | None:
         """Removes and returns the entry, or None if this rank never submitted it."""
         with self._lock:

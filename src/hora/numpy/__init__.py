@@ -33,6 +33,8 @@ from hora.api import (
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from hora.collectives.reduce import ADASUM as Adasum
@@ -137,5 +139,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

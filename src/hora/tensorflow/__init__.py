@@ -44,6 +44,8 @@ from hora.api import (
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from hora.collectives.reduce import ADASUM as Adasum
 from hora.collectives.reduce import AVERAGE as Average
@@ -205,5 +207,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "size_op",
 ]
