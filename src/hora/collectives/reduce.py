@@ -76,13 +76,13 @@ def data_type_of(dtype: np.dtype[np.generic]) -> DataType:
     Raises:
         ValueError: hora does not move this type; the message lists what it moves.
     """
-    if dtype.name == "bfloat16":
-        return DataType.BFLOAT16
     code = _BY_NUMPY.get(dtype)
-    if code is None:
-        supported = ", ".join(code.label for code in DataType)
-        raise ValueError(f"Tensor type {dtype} is not supported (hora moves {supported}).")
-    return code
+    if code is not None:
+        return code
+    if dtype.name == "bfloat16":  # ml_dtypes; checked second, ``dtype.name`` is slow
+        return DataType.BFLOAT16
+    supported = ", ".join(code.label for code in DataType)
+    raise ValueError(f"Tensor type {dtype} is not supported (hora moves {supported}).")
 
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:

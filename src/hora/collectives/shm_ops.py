@@ -84,14 +84,14 @@ def allreduce(group: SharedGroup, buffer: np.ndarray, reduce: Reducer) -> None:
             if k != me:
                 stages[me][bounds[k]] = chunk[bounds[k]]
         group.barrier()
-        # Reduce this rank's share from its private input and the others' published
-        # copies, in member order, into its stage, where the others read the result.
-        mine = stages[me][bounds[me]]
-        contributions = [chunk[bounds[me]] if k == me else stages[k][bounds[me]] for k in range(n)]
-        reduce.into(contributions[0], contributions[1], mine)
-        for contribution in contributions[2:]:
-            reduce(mine, contribution)
-        chunk[bounds[me]] = mine
+        # Reduce this rank's share in place in its private buffer (an in-place ufunc
+        # writes memory it has just read, which costs less than writing a third buffer),
+        # then publish the result for the others.
+        mine = chunk[bounds[me]]
+        for k in range(n):
+            if k != me:
+                reduce(mine, stages[k][bounds[me]])
+        stages[me][bounds[me]] = mine
         group.barrier()
         for k in range(n):
             if k != me:

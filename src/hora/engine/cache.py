@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from hora.engine.messages import Request, RequestType, Response
@@ -100,7 +101,10 @@ class CoordinatorCache:
         """A fresh copy of the validated response for the id."""
         template = self._by_id[cache_id].response
         assert template is not None  # invariant: an id exists only once a response validated
-        return dataclasses.replace(template, names=list(template.names), sizes=list(template.sizes))
+        response = copy.copy(template)
+        response.names = list(template.names)
+        response.sizes = list(template.sizes)
+        return response
 
     def record(self, key: tuple[int, str], requests: list[Request], response: Response) -> int:
         """Stores a successful negotiation; returns the tensor's id, or -1 when not cached.

@@ -90,7 +90,7 @@ class Engine:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.queue = TensorQueue(self._wake)
+        self.queue = TensorQueue(self._wake_if_sleeping)
         self.sets = ProcessSetTable(self.size)
         self._coordinator = (
             Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
@@ -119,6 +119,9 @@ class Engine:
         if self._coordinator is not None and config.timeline and config.timeline != "DYNAMIC":
             self._use_timeline(Timeline(config.timeline, config.timeline_mark_cycles))
         self._stop_requested = False
+        # Set while the engine blocks in poll: only then does a submit need to write a
+        # wake-up byte (the GIL orders these flag and queue accesses; see _wait).
+        self._sleeping = False
         self._last_work = 0.0  # perf_counter time the loop last did something
         self._leaving_since: float | None = None  # set once this rank began to leave
         self._lingering_noted = False
@@ -164,6 +167,10 @@ class Engine:
         error = self._timeline_error
         if error is not None:
             raise error
+
+    def _wake_if_sleeping(self) -> None:
+        if self._sleeping:
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -260,11 +267,18 @@ class Engine:
         if not events and timeout_ms != 0 and self._timeline is not None:
             self._timeline.flush()  # about to idle: the file on disk is complete
         if not events and timeout_ms != 0:
-            spin_until = self._last_work + SPIN_AFTER_WORK
-            while not events and time.perf_counter() < spin_until:
+            # A job of one rank has no peer to hear from: nothing to spin for.
+            spin_until = self._last_work + (SPIN_AFTER_WORK if self._links else 0.0)
+            while not events and not self.queue.has_new() and time.perf_counter() < spin_until:
                 events = self._poller.poll(0)
-            if not events:
-                events = self._poller.poll(timeout_ms)
+            if not events and not self.queue.has_new():
+                # Invariant: the flag is set before the last look at the queue, and a
+                # submit adds before it reads the flag, so a submit either is seen here
+                # or writes a wake-up byte.
+                self._sleeping = True
+                if not self.queue.has_new():
+                    events = self._poller.poll(timeout_ms)
+                self._sleeping = False
         if events:
             self._last_work = time.perf_counter()
         for fd, _ in events:

@@ -40,7 +40,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
     Returns:
         The responses to execute, fused where possible.
     """
-    if threshold <= 0:
+    if threshold <= 0 or len(responses) == 1:
         return list(responses)
     out: list[Response] = []
     open_by_kind: dict[tuple[int, int, int, int, float, float], tuple[Response, int]] = {}

@@ -1,29 +1,36 @@
-"""Handles: the result of an asynchronous collective, waited on with an event (never a spin)."""
+"""Handles: the result of an asynchronous collective, waited on with a lock (never a spin)."""
 
 from __future__ import annotations
 
-import threading
+import _thread
 from typing import Any
 
 
 class Handle:
     """Completes once, with a result or an exception.
 
+    A latch made of one raw lock, held from creation until completion: ``wait``
+    acquires it (blocking without the GIL) and releases it again at once, so any number
+    of threads may wait. A raw lock costs a fraction of ``threading.Event``, whose
+    condition variable is pure Python; the handle is on every collective's path.
+
     Attributes:
         name: the tensor's name, for messages.
     """
 
-    __slots__ = ("_error", "_event", "_result", "name")
+    __slots__ = ("_done", "_error", "_latch", "_result", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until the collective finishes and returns its result.
@@ -32,18 +39,25 @@ class Handle:
             TimeoutError: ``timeout`` passed first.
             Exception: the error the collective failed with.
         """
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"'{self.name}' did not finish within {timeout} s")
+        if not self._done:
+            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"'{self.name}' did not finish within {timeout} s")
+            self._latch.release()
         if self._error is not None:
             raise self._error
         return self._result
 
     def complete(self, result: Any) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self._result = result
-            self._event.set()
+            self._finish()
 
     def fail(self, error: BaseException) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self._error = error
-            self._event.set()
+            self._finish()
+
+    def _finish(self) -> None:
+        # Invariant: the result is stored before ``_done`` is set and the latch opens.
+        self._done = True
+        self._latch.release()

@@ -90,6 +90,10 @@ class TensorQueue:
             if self._closed is None:
                 self._closed = error_for
 
+    def has_new(self) -> bool:
+        """True when entries were added since the last drain (a racy read, fine for polling)."""
+        return bool(self._new)
+
     def drain(self) -> list[Entry]:
         """Returns the entries added since the last drain, in submission order."""
         with self._lock:
