@@ -1,14 +1,16 @@
-"""hora's DistributedOptimizer against PyTorch DDP (gloo), side by side, in one run.
+"""Training throughput: hora's DistributedOptimizer, PyTorch DDP (gloo) and Horovod, side by side.
 
-Both train the same model on the same fixed random batch per rank, with the same
-optimizer (SGD, lr 0.01 * size) and the timing loop of Horovod's synthetic benchmark
-(zero_grad, forward, cross entropy, backward, step). hora runs under ``horarun``;
-DDP runs the same number of processes with torchrun's environment variables and the
-gloo backend. The engines alternate (hora, DDP, hora, DDP, ...) so that machine
-noise hits both alike; each cell is the median over the rounds of the total img/sec.
+Every engine trains the same model on the same fixed random batch per rank, with the
+same optimizer (SGD, lr 0.01 * size) and the timing loop of Horovod's synthetic
+benchmark (zero_grad, forward, cross entropy, backward, step). hora runs under
+``horarun``; DDP runs the same number of processes with torchrun's environment
+variables and the gloo backend; Horovod (when ``--horovod-python`` names a Python that
+has it) runs under ``horovodrun --gloo`` and ``horovodrun --mpi``. The engines
+alternate round by round so that machine noise hits all alike; each cell is the median
+over the rounds of the total img/sec, and ratios are hora's over each other engine's.
 
-    python benchmarks/torch_ddp_compare.py --np 2 --model mlp25m
-    python benchmarks/torch_ddp_compare.py --np 2 --model cnn --rounds 3
+    python benchmarks/training.py --np 2 --model cnn --rounds 3
+    python benchmarks/training.py --np 2 --model mlp25m --horovod-python /path/to/horovod-venv/bin/python
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def worker(engine: str, args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from synthetic_benchmark import build_model
 
-    if engine == "hora":
-        import hora.torch as hvd
+    if engine in ("hora", "horovod"):
+        if engine == "hora":
+            import hora.torch as hvd
+        else:
+            import horovod.torch as hvd  # type: ignore[no-redef]
 
         hvd.init()
         rank, size, local_size = hvd.rank(), hvd.size(), hvd.local_size()
@@ -55,7 +60,7 @@ def worker(engine: str, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model, image = build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size)
-    if engine == "hora":
+    if engine in ("hora", "horovod"):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -77,7 +82,7 @@ def worker(engine: str, args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print("RESULT " + json.dumps({"per_rank": statistics.mean(rates), "size": size, "params": params}), flush=True)
-    if engine == "hora":
+    if engine in ("hora", "horovod"):
         hvd.shutdown()
     else:
         dist.destroy_process_group()
@@ -92,13 +97,28 @@ def _free_port() -> int:
 def _result(output: str, engine: str) -> dict[str, float]:
     for line in output.splitlines():
         if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])  # type: ignore[no-any-return]
+            # raw_decode: a launcher may append another process's output to the same line
+            result, _ = json.JSONDecoder().raw_decode(line.split("RESULT ", 1)[1])
+            return result  # type: ignore[no-any-return]
     raise SystemExit(f"{engine} run printed no result:\n{output}")
 
 
-def run(engine: str, np_: int, forwarded: list[str]) -> dict[str, float]:
-    command = [sys.executable, __file__, "--worker", engine, *forwarded]
+def run(engine: str, np_: int, forwarded: list[str], horovod_python: str | None) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    if engine.startswith("horovod"):
+        assert horovod_python is not None
+        controller = "--" + engine.split("-", 1)[1]
+        horovodrun = str(Path(horovod_python).with_name("horovodrun"))
+        command = [horovod_python, __file__, "--worker", "horovod", *forwarded]
+        env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # the models import hora
+        proc = subprocess.run(
+            [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", controller, *command],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if proc.returncode:
+            raise SystemExit(f"{engine} run failed:\n{proc.stdout}{proc.stderr}")
+        return _result(proc.stdout, engine)
+    command = [sys.executable, __file__, "--worker", engine, *forwarded]
     if engine == "hora":
         proc = subprocess.run(
             [sys.executable, "-m", "hora.runner", "-np", str(np_), *command], env=env, capture_output=True, text=True
@@ -125,7 +145,8 @@ def main() -> None:
     _options(parser)
     parser.add_argument("--np", type=int, default=2, help="processes (ranks) per engine")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each engine")
-    parser.add_argument("--worker", choices=["hora", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--horovod-python", help="a Python with Horovod installed, to run it too")
+    parser.add_argument("--worker", choices=["hora", "ddp", "horovod"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
@@ -135,25 +156,31 @@ def main() -> None:
         str(args.num_warmup_batches), "--num-batches-per-iter", str(args.num_batches_per_iter),
         "--num-iters", str(args.num_iters),
     ]  # fmt: skip
-    totals: dict[str, list[float]] = {"hora": [], "ddp": []}
+    engines = ["hora", "ddp"] + (["horovod-gloo", "horovod-mpi"] if args.horovod_python else [])
+    names = {
+        "hora": "hora DistributedOptimizer",
+        "ddp": "torch DDP (gloo)",
+        "horovod-gloo": "Horovod 0.28.1 --gloo",
+        "horovod-mpi": "Horovod 0.28.1 --mpi",
+    }
+    totals: dict[str, list[float]] = {engine: [] for engine in engines}
     params = 0
     for round_ in range(args.rounds):
-        for engine in ("hora", "ddp"):
-            result = run(engine, args.np, forwarded)
+        for engine in engines:
+            result = run(engine, args.np, forwarded, args.horovod_python)
             total = result["per_rank"] * result["size"]
             totals[engine].append(total)
             params = int(result["params"])
-            print(f"round {round_ + 1}: {engine:4s} {total:8.1f} img/sec total", flush=True)
-    hora, ddp = statistics.median(totals["hora"]), statistics.median(totals["ddp"])
+            print(f"round {round_ + 1}: {engine:12s} {total:8.1f} img/sec total", flush=True)
+    medians = {engine: statistics.median(values) for engine, values in totals.items()}
     print()
     print(f"model {args.model} ({params / 1e6:.1f}M parameters), batch {args.batch_size} per rank, {args.np} ranks, "
           f"{os.cpu_count()} CPUs; median of {args.rounds} rounds")  # fmt: skip
-    print("| engine | total img/sec | per rank |")
-    print("|---|---|---|")
-    print(f"| hora DistributedOptimizer | {hora:.1f} | {hora / args.np:.1f} |")
-    print(f"| torch DDP (gloo) | {ddp:.1f} | {ddp / args.np:.1f} |")
-    ratios = sorted(h / d for h, d in zip(totals["hora"], totals["ddp"]))
-    print(f"hora / DDP: {hora / ddp:.2f} (medians); per round (adjacent runs): {', '.join(f'{r:.2f}' for r in ratios)}")
+    print("| engine | total img/sec | per rank | hora / engine |")
+    print("|---|---|---|---|")
+    for engine in engines:
+        ratio = medians["hora"] / medians[engine]
+        print(f"| {names[engine]} | {medians[engine]:.1f} | {medians[engine] / args.np:.1f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":
