@@ -55,7 +55,6 @@ def test_ssh_and_network_flags() -> None:
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--mpi"], "--mpi: MPI as hora's data plane is not built yet"),
         (["--jsrun"], "--jsrun: IBM jsrun is not supported"),
         (["--mpi-args=-x A"], "--mpi-args applies to --mpi only"),
         (["--min-np", "2"], "--min-num-proc: elastic training is not built yet"),
@@ -105,7 +104,6 @@ def test_config_file_sections_and_the_command_line_wins(tmp_path: Path) -> None:
         ("paramz: {}\n", "unknown section 'paramz': expected controller, params, autotune"),
         ("params: {fusion: 1}\n", "unknown key params.fusion: expected one of fusion_threshold_mb"),
         ("controller: nccl\n", "controller: 'nccl' is not valid: expected gloo or mpi"),
-        ("controller: mpi\n", "--mpi: MPI as hora's data plane is not built yet"),
         ("- a\n", "expected a mapping of sections"),
         ("a: [\n", "not valid YAML"),
     ],

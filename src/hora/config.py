@@ -14,6 +14,8 @@ Runtime knobs
     ``HORA_STALL_CHECK_TIME_SECONDS`` (60), ``HORA_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never),
     ``HORA_LOG_LEVEL`` (WARNING), ``HORA_LOG_HIDE_TIME``, ``HORA_DYNAMIC_PROCESS_SETS``,
     ``HORA_ELASTIC``, ``HORA_START_TIMEOUT`` (30 s), ``HORA_DISABLE_GROUP_FUSION``,
+    ``HORA_TRANSPORT`` (``builtin``: hora's shared memory and TCP; ``mpi``: collectives
+    through mpi4py, for jobs started by mpirun),
     ``HORA_SHARED_MEMORY`` (1: ranks on one machine move data through shared memory),
     ``HORA_SHM_STAGING_MB`` (16: each rank's shared staging buffer),
     ``HORA_HIERARCHICAL_ALLREDUCE`` (unset: chosen per process set; 1/0: force on/off),
@@ -74,6 +76,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "HORA_ELASTIC": ("HOROVOD_ELASTIC",),
     "HORA_START_TIMEOUT": ("HOROVOD_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
     "HORA_DISABLE_GROUP_FUSION": ("HOROVOD_DISABLE_GROUP_FUSION",),
+    "HORA_TRANSPORT": (),
     "HORA_SHARED_MEMORY": (),
     "HORA_SHM_STAGING_MB": (),
     "HORA_RANK": ("HOROVOD_RANK",),
@@ -271,6 +274,7 @@ class Config:
     thread_affinity: tuple[int, ...] = ()
     timeline: str | None = None
     timeline_mark_cycles: bool = False
+    transport: str = "builtin"
     shared_memory: bool = True
     shm_staging_bytes: int = 16 * 1024 * 1024
 
@@ -345,6 +349,7 @@ class Config:
             thread_affinity=_cores(env),
             timeline=env.text("HORA_TIMELINE"),
             timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
+            transport=env.choice("HORA_TRANSPORT", "BUILTIN", ("BUILTIN", "MPI")).lower(),
             shared_memory=env.flag("HORA_SHARED_MEMORY", True),
             shm_staging_bytes=env.integer("HORA_SHM_STAGING_MB", 16, lo=1, hi=4096) * 1024 * 1024,
         )

@@ -85,11 +85,13 @@ def data_type_of(dtype: np.dtype[np.generic]) -> DataType:
     raise ValueError(f"Tensor type {dtype} is not supported (hora moves {supported}).")
 
 
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widens bfloat16 bits (uint16) to float32 values, exactly."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    """Rounds float32 values to bfloat16 bits (nearest even) into ``out`` (uint16)."""
     bits = values.view(np.uint32)
     rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
     rounded = np.where(np.isnan(values), 0x7FC0, rounded)
@@ -105,8 +107,8 @@ class Reducer:
     """
 
     def __init__(self, ufunc: np.ufunc, bfloat16: bool = False) -> None:
-        self._ufunc = ufunc
-        self._bfloat16 = bfloat16
+        self.ufunc = ufunc
+        self.bfloat16 = bfloat16
 
     def __call__(self, target: np.ndarray, other: np.ndarray) -> None:
         """Folds ``other`` into ``target``."""
@@ -114,12 +116,12 @@ class Reducer:
 
     def into(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """Writes ``a op b`` to ``out`` (which may be ``a``) in one pass."""
-        if self._bfloat16:
-            wide = _bf16_to_f32(a)
-            self._ufunc(wide, _bf16_to_f32(b), out=wide)
-            _f32_to_bf16(wide, out)
+        if self.bfloat16:
+            wide = bf16_to_f32(a)
+            self.ufunc(wide, bf16_to_f32(b), out=wide)
+            f32_to_bf16(wide, out)
         else:
-            self._ufunc(a, b, out=out)
+            self.ufunc(a, b, out=out)
 
 
 _UFUNCS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
@@ -152,9 +154,9 @@ def scale(buffer: np.ndarray, factor: float, dtype: DataType) -> None:
     if factor == 1.0 or buffer.size == 0:
         return
     if dtype == DataType.BFLOAT16:
-        wide = _bf16_to_f32(buffer)
+        wide = bf16_to_f32(buffer)
         np.multiply(wide, np.float32(factor), out=wide)
-        _f32_to_bf16(wide, buffer)
+        f32_to_bf16(wide, buffer)
     elif dtype == DataType.FLOAT16:
         buffer[...] = (buffer.astype(np.float32) * np.float32(factor)).astype(np.float16)
     elif dtype.is_float:

@@ -42,6 +42,7 @@ from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
+from hora.engine.mpi_collectives import MpiWorld
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.shm_group import ShmGroup
@@ -105,6 +106,8 @@ class Engine:
         if domain is not None:
             domain.watch = self._watch
         self._collectives: dict[tuple[int, ...], Collectives] = {}
+        # HORA_TRANSPORT=mpi: data through MPI communicators (made collectively now).
+        self._mpi = MpiWorld(self.rank, self.size) if config.transport == "mpi" else None
         self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         self._responses: deque[Response] = deque()
         self._poller = select.poll()
@@ -381,6 +384,9 @@ class Engine:
         """
         collectives = self._collectives.get(ranks)
         if collectives is not None:
+            return collectives
+        if self._mpi is not None:
+            collectives = self._collectives[ranks] = self._mpi.collectives(ranks)
             return collectives
         data = self._mesh.data if self._mesh is not None else {}
 

@@ -85,7 +85,7 @@ def transport_lines() -> list[str]:
         "    [X] TCP (hora's built-in transport, every host)",
         f"    {_box(shm)} shared memory (ranks on one host)" + ("" if shm else ": not built"),
         f"    {_box(mpi4py is not None)} MPI through mpi4py"
-        + (f" {mpi4py}: bootstrap under mpirun (data plane not built yet)" if mpi4py else ": pip install mpi4py"),
+        + (f" {mpi4py}: bootstrap under mpirun, and the data plane (HORA_TRANSPORT=mpi)" if mpi4py else ": pip install mpi4py"),
         "    [ ] NCCL: not built (GPU collectives are planned)",
     ]
 

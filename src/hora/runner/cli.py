@@ -152,7 +152,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-file", metavar="FILE", help="horovodrun's YAML settings (the command line wins)")
     controller = parser.add_mutually_exclusive_group()
     _flag(controller, "--gloo", dest="controller", const="gloo", help="hora's built-in transport (the default)")
-    _flag(controller, "--mpi", dest="controller", const="mpi", help="MPI as the data plane (not built yet)")
+    _flag(controller, "--mpi", dest="controller", const="mpi", help="start the ranks with mpirun; MPI carries the data")
     _flag(controller, "--jsrun", dest="controller", const="jsrun", help="IBM jsrun (not supported)")
 
     tuning = parser.add_argument_group("tuning (passed to the ranks as HORA_* variables)")
@@ -281,21 +281,18 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
         ssh_port=None if args.ssh_port is None else int(args.ssh_port),
         ssh_identity_file=args.ssh_identity_file,
         network_interfaces=args.network_interfaces,
+        mpi=args.controller == "mpi",
+        mpi_args=" ".join(part for part in (args.mpi_args, args.binding_args) if part) or None,
     )
 
 
 def _refuse_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.controller == "mpi":
-        parser.error(
-            "--mpi: MPI as hora's data plane is not built yet: drop --mpi (hora's built-in transport runs the job), "
-            "or start the ranks with mpirun yourself (see docs/launching.md)"
-        )
     if args.controller == "jsrun":
         parser.error("--jsrun: IBM jsrun is not supported: use -H/--hostfile (ssh) or start the ranks with mpirun")
     for dest in ("mpi_args", "binding_args"):
-        if getattr(args, dest) is not None:
+        if getattr(args, dest) is not None and args.controller != "mpi":
             flag = "--" + dest.replace("_", "-")
-            parser.error(f"{flag} applies to --mpi only, which is not built yet: drop {flag}")
+            parser.error(f"{flag} applies to --mpi only: add --mpi or drop {flag}")
     for dest in _ELASTIC:
         if getattr(args, dest) is not None:
             parser.error(

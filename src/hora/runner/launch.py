@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from hora.runner import hosts
 from hora.runner.hosts import SlotInfo
 from hora.runner.job import Job
+from hora.runner.mpi_launch import launch_mpi
 from hora.runner.output import Sink
 from hora.runner.placement import HostsError, Placement, plan_placement
 from hora.runner.settings import LaunchSettings, forwarded_missing
@@ -97,6 +98,8 @@ def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_
         ValueError: the settings or the hosts are invalid; nothing was started.
     """
     slots = prepare(settings)
+    if settings.mpi:
+        return launch_mpi(settings, slots, settings.mpi_args)
     stderr = Sink(sys.stderr)
     try:
         placement = place(settings, slots, is_local)

@@ -149,6 +149,8 @@ class LaunchSettings:
         ssh_port: ``-p/--ssh-port``.
         ssh_identity_file: ``-i/--ssh-identity-file``.
         network_interfaces: ``--network-interfaces`` (comma-separated names).
+        mpi: ``--mpi``: start the ranks with ``mpirun``, MPI carrying the data.
+        mpi_args: ``--mpi-args`` and ``--binding-args``: extra ``mpirun`` arguments.
     """
 
     command: tuple[str, ...]
@@ -165,6 +167,8 @@ class LaunchSettings:
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
     network_interfaces: str | None = None
+    mpi: bool = False
+    mpi_args: str | None = None
 
     def validate(self) -> None:
         """Checks the settings that do not need the hosts.
