@@ -19,48 +19,42 @@ from typing import Any
 
 import numpy as np
 
-from hora import ops
-from hora.api import current, synchronize
+from hora import binding, ops
+from hora.api import synchronize
 from hora.collectives.reduce import AVERAGE
 from hora.compression import Compression, Compressor
 from hora.process_sets import ProcessSet, global_process_set
 
 
-def _restore(dtype: np.dtype[Any]) -> Callable[[np.ndarray], np.ndarray]:
-    """Views a result held in wire storage (bfloat16 as uint16) as the caller's dtype."""
-    if dtype.name == "bfloat16":
-        return lambda result: result.view(dtype)
-    return lambda result: result
+class NumpyAdapter:
+    """NumPy arrays as the core moves them (``binding.Adapter``)."""
+
+    @staticmethod
+    def _restore(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+        # Results come back in wire storage: bfloat16 as uint16.
+        return array.view(dtype) if dtype.name == "bfloat16" else array
+
+    def stage(self, tensor: np.ndarray, writable: bool, what: str) -> tuple[ops.Tensor, Callable[[], Any]]:
+        return ops.from_numpy(tensor, writable=writable), lambda: tensor
+
+    def output(self, tensor: np.ndarray, wire: ops.Tensor) -> tuple[np.ndarray, Callable[[], Any]]:
+        output = np.empty_like(wire.data)
+        return output, lambda: self._restore(output.reshape(wire.shape), tensor.dtype)
+
+    def wrap(self, array: np.ndarray, like: np.ndarray) -> np.ndarray:
+        return self._restore(array, like.dtype)
+
+    def splits(self, splits: Sequence[int] | np.ndarray | None) -> list[int] | None:
+        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+
+    def alltoall_result(self, output: np.ndarray, received: np.ndarray, splits_given: bool) -> Any:
+        return (output, received) if splits_given else output
 
 
-def _group_names(base: str, count: int) -> list[str]:
-    if count == 0:
-        raise ValueError("grouped collectives need at least one tensor")
-    return [f"{base}_{i}of{count}" for i in range(count)]
+_ADAPTER = NumpyAdapter()
 
 
 # ----- allreduce -----
-
-
-def _allreduce_async(
-    tensor: np.ndarray,
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    inplace: bool,
-) -> int:
-    runtime = current()
-    op = ops.resolve_op(op, average)
-    handle_id = runtime.next_id()
-    tensor_ = ops.from_numpy(tensor, writable=inplace)
-    output = tensor_.data if inplace else np.empty_like(tensor_.data)
-    full = ops.full_name(runtime, "allreduce", name, process_set)
-    handle = ops.allreduce(runtime, tensor_, output, full, op, prescale_factor, postscale_factor, process_set)
-    restore = _restore(tensor.dtype)
-    return runtime.register(handle_id, handle, (lambda _: tensor) if inplace else restore)
 
 
 def allreduce_async(
@@ -78,7 +72,7 @@ def allreduce_async(
         tensor: the array to reduce; it is not modified.
         average: deprecated; use ``op``.
         name: a name unique among this rank's unfinished collectives.
-        op: Average (default), Sum, Min, Max or Product.
+        op: Average (default), Sum, Min, Max, Product or Adasum.
         prescale_factor: multiplies each rank's input before the reduction.
         postscale_factor: multiplies the result.
         process_set: the ranks taking part.
@@ -86,7 +80,9 @@ def allreduce_async(
     Returns:
         A handle for ``poll`` and ``synchronize`` (which returns the reduced array).
     """
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set, False)
+    return binding.allreduce_async(
+        _ADAPTER, [tensor], average, name, op, prescale_factor, postscale_factor, process_set, False, False
+    )
 
 
 def allreduce_async_(
@@ -99,7 +95,9 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Like ``allreduce_async``, but writes the result into ``tensor`` itself."""
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
+    return binding.allreduce_async(
+        _ADAPTER, [tensor], average, name, op, prescale_factor, postscale_factor, process_set, True, False
+    )
 
 
 def allreduce(
@@ -135,35 +133,6 @@ def allreduce_(
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))  # type: ignore[no-any-return]
 
 
-def _grouped_allreduce_async(
-    tensors: Sequence[np.ndarray],
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    inplace: bool,
-) -> int:
-    runtime = current()
-    op = ops.resolve_op(op, average)
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_allreduce", name, process_set)
-    names = _group_names(base, len(tensors))
-    handles, finishers = [], []
-    for tensor, full in zip(tensors, names):
-        tensor_ = ops.from_numpy(tensor, writable=inplace)
-        output = tensor_.data if inplace else np.empty_like(tensor_.data)
-        handles.append(
-            ops.allreduce(
-                runtime, tensor_, output, full, op, prescale_factor, postscale_factor, process_set,
-                group=(base, len(tensors)),
-            )  # fmt: skip
-        )
-        finishers.append((lambda t: lambda _: t)(tensor) if inplace else _restore(tensor.dtype))
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
-
-
 def grouped_allreduce_async(
     tensors: Sequence[np.ndarray],
     average: bool | None = None,
@@ -174,7 +143,9 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts one allreduce per tensor, negotiated and fused as one group; returns a handle."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, False)
+    return binding.allreduce_async(
+        _ADAPTER, tensors, average, name, op, prescale_factor, postscale_factor, process_set, False, True
+    )
 
 
 def grouped_allreduce_async_(
@@ -187,7 +158,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Like ``grouped_allreduce_async``, writing each result into its input."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, True)
+    return binding.allreduce_async(
+        _ADAPTER, tensors, average, name, op, prescale_factor, postscale_factor, process_set, True, True
+    )
 
 
 def grouped_allreduce(
@@ -228,10 +201,7 @@ def grouped_allreduce_(
 
 def allgather_async(tensor: np.ndarray, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
     """Starts concatenating every rank's ``tensor`` along dimension 0 (whose size may differ by rank)."""
-    runtime = current()
-    handle_id = runtime.next_id()
-    handle = ops.allgather(runtime, ops.from_numpy(tensor), ops.full_name(runtime, "allgather", name, process_set), process_set)
-    return runtime.register(handle_id, handle, _restore(tensor.dtype))
+    return binding.allgather_async(_ADAPTER, [tensor], name, process_set, False)
 
 
 def allgather(tensor: np.ndarray, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
@@ -243,15 +213,7 @@ def grouped_allgather_async(
     tensors: Sequence[np.ndarray], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Starts an allgather of each tensor, negotiated as one group."""
-    runtime = current()
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_allgather", name, process_set)
-    handles = [
-        ops.allgather(runtime, ops.from_numpy(t), full, process_set, group=(base, len(tensors)))
-        for t, full in zip(tensors, _group_names(base, len(tensors)))
-    ]
-    finishers = [_restore(t.dtype) for t in tensors]
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
+    return binding.allgather_async(_ADAPTER, tensors, name, process_set, True)
 
 
 def grouped_allgather(
@@ -264,31 +226,18 @@ def grouped_allgather(
 # ----- broadcast -----
 
 
-def _broadcast_async(
-    tensor: np.ndarray, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
-) -> int:
-    runtime = current()
-    handle_id = runtime.next_id()
-    tensor_ = ops.from_numpy(tensor, writable=inplace)
-    output = tensor_.data if inplace else np.empty_like(tensor_.data)
-    handle = ops.broadcast(
-        runtime, tensor_, output, root_rank, ops.full_name(runtime, "broadcast", name, process_set), process_set
-    )
-    return runtime.register(handle_id, handle, (lambda _: tensor) if inplace else _restore(tensor.dtype))
-
-
 def broadcast_async(
     tensor: np.ndarray, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Starts copying ``root_rank``'s ``tensor`` to every rank (into a new array)."""
-    return _broadcast_async(tensor, root_rank, name, process_set, False)
+    return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, False)
 
 
 def broadcast_async_(
     tensor: np.ndarray, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Starts copying ``root_rank``'s ``tensor`` into ``tensor`` on every rank."""
-    return _broadcast_async(tensor, root_rank, name, process_set, True)
+    return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, True)
 
 
 def broadcast(
@@ -320,16 +269,7 @@ def alltoall_async(
         tensor: rows to distribute, in destination-rank order.
         splits: rows for each rank; None splits evenly.
     """
-    runtime = current()
-    handle_id = runtime.next_id()
-    handle = ops.alltoall(runtime, ops.from_numpy(tensor), splits, ops.full_name(runtime, "alltoall", name, process_set), process_set)
-    restore = _restore(tensor.dtype)
-
-    def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
-        output, received = result
-        return (restore(output), received) if splits is not None else restore(output)
-
-    return runtime.register(handle_id, handle, finish)
+    return binding.alltoall_async(_ADAPTER, tensor, splits, name, process_set)
 
 
 def alltoall(
@@ -362,13 +302,9 @@ def reducescatter_async(
 
     With ``q, m = divmod(rows, size)``, rank ``r`` gets ``q + 1`` rows if ``r < m``, else ``q``.
     """
-    runtime = current()
-    handle_id = runtime.next_id()
-    handle = ops.reducescatter(
-        runtime, ops.from_numpy(tensor), ops.full_name(runtime, "reducescatter", name, process_set), op,
-        prescale_factor, postscale_factor, process_set,
-    )  # fmt: skip
-    return runtime.register(handle_id, handle, _restore(tensor.dtype))
+    return binding.reducescatter_async(
+        _ADAPTER, [tensor], name, op, process_set, prescale_factor, postscale_factor, False
+    )
 
 
 def reducescatter(
@@ -395,18 +331,9 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Starts a reducescatter of each tensor, negotiated as one group."""
-    runtime = current()
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_reducescatter", name, process_set)
-    handles = [
-        ops.reducescatter(
-            runtime, ops.from_numpy(t), full, op, prescale_factor, postscale_factor, process_set,
-            group=(base, len(tensors)),
-        )  # fmt: skip
-        for t, full in zip(tensors, _group_names(base, len(tensors)))
-    ]
-    finishers = [_restore(t.dtype) for t in tensors]
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
+    return binding.reducescatter_async(
+        _ADAPTER, tensors, name, op, process_set, prescale_factor, postscale_factor, True
+    )
 
 
 def grouped_reducescatter(

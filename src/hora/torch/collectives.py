@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hora import ops
+from hora import binding, ops
 from hora.api import current, synchronize
 from hora.collectives.reduce import AVERAGE, SUM
 from hora.process_sets import ProcessSet, global_process_set
@@ -29,44 +29,37 @@ from hora.torch import tensors as tt
 Splits = Sequence[int] | torch.Tensor | None
 
 
-def _group_names(base: str, count: int) -> list[str]:
-    if count == 0:
-        raise ValueError("grouped collectives need at least one tensor")
-    return [f"{base}_{i}of{count}" for i in range(count)]
+class TorchAdapter:
+    """Torch tensors as the core moves them (``binding.Adapter``): zero-copy for CPU
+    tensors, staged through host memory for others (``tensors.stage``)."""
+
+    def stage(self, tensor: torch.Tensor, writable: bool, what: str) -> tuple[ops.Tensor, Callable[[], Any]]:
+        staged = tt.stage(tensor, writable=writable, what=what)
+        return staged.wire, lambda: tt.write_back(staged)
+
+    def output(self, tensor: torch.Tensor, wire: ops.Tensor) -> tuple[np.ndarray, Callable[[], Any]]:
+        output = torch.empty(wire.shape, dtype=tensor.dtype)
+        return tt.numpy_view(output), lambda: tt.to_device(output, tensor)
+
+    def wrap(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return tt.to_device(tt.from_numpy(array, like.dtype), like)
+
+    def splits(self, splits: Splits) -> list[int] | None:
+        if splits is None:
+            return None
+        if isinstance(splits, torch.Tensor):
+            if splits.dtype != torch.int32:
+                raise ValueError(
+                    f"alltoall: splits must be an int32 tensor or a list of ints; got a {splits.dtype} tensor"
+                )
+            return [int(s) for s in splits.reshape(-1).tolist()]
+        return [int(s) for s in splits]
+
+    def alltoall_result(self, output: torch.Tensor, received: np.ndarray, splits_given: bool) -> Any:
+        return output, torch.from_numpy(received)  # Horovod's alltoall_async always gives both
 
 
-def _finish_allreduce(staged: tt.Staged, output: torch.Tensor, inplace: bool) -> Callable[[Any], torch.Tensor]:
-    if inplace:
-        return lambda _: tt.write_back(staged)
-    return lambda _: tt.to_device(output, staged.tensor)
-
-
-def _prepare(tensor: torch.Tensor, name: str, inplace: bool) -> tuple[tt.Staged, torch.Tensor, np.ndarray]:
-    """Stages a tensor for an allreduce or broadcast; returns it, the result tensor and its flat view."""
-    staged = tt.stage(tensor, writable=inplace, what=name)
-    if inplace:
-        return staged, staged.host, staged.wire.data
-    output = tt.empty_host(staged)
-    return staged, output, tt.numpy_view(output)
-
-
-def _allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    inplace: bool,
-) -> int:
-    runtime = current()
-    op = ops.resolve_op(op, average)
-    handle_id = runtime.next_id()
-    full = ops.full_name(runtime, "allreduce", name, process_set)
-    staged, output, out_view = _prepare(tensor, f"allreduce '{full}'", inplace)
-    handle = ops.allreduce(runtime, staged.wire, out_view, full, op, prescale_factor, postscale_factor, process_set)
-    return runtime.register(handle_id, handle, _finish_allreduce(staged, output, inplace))
+_ADAPTER = TorchAdapter()
 
 
 def allreduce_async(
@@ -97,7 +90,9 @@ def allreduce_async(
         ValueError: an unsupported dtype or op, a name already in flight, or this rank
             is not in ``process_set``.
     """
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set, False)
+    return binding.allreduce_async(
+        _ADAPTER, [tensor], average, name, op, prescale_factor, postscale_factor, process_set, False, False
+    )
 
 
 def allreduce_async_(
@@ -110,7 +105,9 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Like ``allreduce_async``, writing the result into ``tensor`` (which must be contiguous)."""
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
+    return binding.allreduce_async(
+        _ADAPTER, [tensor], average, name, op, prescale_factor, postscale_factor, process_set, True, False
+    )
 
 
 def allreduce_(
@@ -127,34 +124,6 @@ def allreduce_(
     return synchronize(handle)  # type: ignore[no-any-return]
 
 
-def _grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    inplace: bool,
-) -> int:
-    runtime = current()
-    op = ops.resolve_op(op, average)
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_allreduce", name, process_set)
-    names = _group_names(base, len(tensors))
-    # Stage every tensor before queueing any, so a bad tensor leaves nothing half-submitted.
-    prepared = [_prepare(t, f"allreduce '{full}'", inplace) for t, full in zip(tensors, names)]
-    handles = [
-        ops.allreduce(
-            runtime, staged.wire, out_view, full, op, prescale_factor, postscale_factor, process_set,
-            group=(base, len(tensors)),
-        )  # fmt: skip
-        for (staged, _, out_view), full in zip(prepared, names)
-    ]
-    finishers = [_finish_allreduce(staged, output, inplace) for staged, output, _ in prepared]
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
-
-
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -165,7 +134,9 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts one allreduce per tensor, negotiated and fused as one group; ``synchronize`` returns a list."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, False)
+    return binding.allreduce_async(
+        _ADAPTER, tensors, average, name, op, prescale_factor, postscale_factor, process_set, False, True
+    )
 
 
 def grouped_allreduce_async_(
@@ -178,7 +149,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Like ``grouped_allreduce_async``, writing each result into its input tensor."""
-    return _grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, True)
+    return binding.allreduce_async(
+        _ADAPTER, tensors, average, name, op, prescale_factor, postscale_factor, process_set, True, True
+    )
 
 
 def grouped_allreduce_(
@@ -242,46 +215,17 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     Returns:
         A handle; ``synchronize`` returns the concatenation, in rank order.
     """
-    runtime = current()
-    handle_id = runtime.next_id()
-    full = ops.full_name(runtime, "allgather", name, process_set)
-    staged = tt.stage(tensor, writable=False, what=f"allgather '{full}'")
-    handle = ops.allgather(runtime, staged.wire, full, process_set)
-    return runtime.register(handle_id, handle, _finish_array(tensor))
-
-
-def _finish_array(like: torch.Tensor) -> Callable[[np.ndarray], torch.Tensor]:
-    return lambda result: tt.to_device(tt.from_numpy(result, like.dtype), like)
+    return binding.allgather_async(_ADAPTER, [tensor], name, process_set, False)
 
 
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Starts an allgather of each tensor, negotiated as one group; ``synchronize`` returns a list."""
-    runtime = current()
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_allgather", name, process_set)
-    names = _group_names(base, len(tensors))
-    staged = [tt.stage(t, writable=False, what=f"allgather '{full}'") for t, full in zip(tensors, names)]
-    handles = [
-        ops.allgather(runtime, s.wire, full, process_set, group=(base, len(tensors))) for s, full in zip(staged, names)
-    ]
-    finishers = [_finish_array(t) for t in tensors]
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
+    return binding.allgather_async(_ADAPTER, tensors, name, process_set, True)
 
 
 # ----- broadcast -----
-
-
-def _broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
-) -> int:
-    runtime = current()
-    handle_id = runtime.next_id()
-    full = ops.full_name(runtime, "broadcast", name, process_set)
-    staged, output, out_view = _prepare(tensor, f"broadcast '{full}'", inplace)
-    handle = ops.broadcast(runtime, staged.wire, out_view, root_rank, full, process_set)
-    return runtime.register(handle_id, handle, _finish_allreduce(staged, output, inplace))
 
 
 def broadcast_async(
@@ -291,14 +235,14 @@ def broadcast_async(
 
     ``root_rank`` is a rank within the process set (the global rank for the global set).
     """
-    return _broadcast_async(tensor, root_rank, name, process_set, False)
+    return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, False)
 
 
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Starts copying ``root_rank``'s tensor into ``tensor`` on every rank of the set."""
-    return _broadcast_async(tensor, root_rank, name, process_set, True)
+    return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, True)
 
 
 def broadcast_(
@@ -309,16 +253,6 @@ def broadcast_(
 
 
 # ----- alltoall -----
-
-
-def _splits_list(splits: Splits) -> list[int] | None:
-    if splits is None:
-        return None
-    if isinstance(splits, torch.Tensor):
-        if splits.dtype != torch.int32:
-            raise ValueError(f"alltoall: splits must be an int32 tensor or a list of ints; got a {splits.dtype} tensor")
-        return [int(s) for s in splits.reshape(-1).tolist()]
-    return [int(s) for s in splits]
 
 
 def alltoall_async(
@@ -337,17 +271,7 @@ def alltoall_async(
         A handle; ``synchronize`` returns ``(received rows, rows received from each
         rank as an int32 tensor)``, as Horovod's does.
     """
-    runtime = current()
-    handle_id = runtime.next_id()
-    full = ops.full_name(runtime, "alltoall", name, process_set)
-    staged = tt.stage(tensor, writable=False, what=f"alltoall '{full}'")
-    handle = ops.alltoall(runtime, staged.wire, _splits_list(splits), full, process_set)
-
-    def finish(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        output, received = result
-        return tt.to_device(tt.from_numpy(output, tensor.dtype), tensor), torch.from_numpy(received)
-
-    return runtime.register(handle_id, handle, finish)
+    return binding.alltoall_async(_ADAPTER, tensor, splits, name, process_set)
 
 
 # ----- reducescatter -----
@@ -366,14 +290,9 @@ def reducescatter_async(
     With ``q, m = divmod(rows, size)``, rank ``r`` gets ``q + 1`` rows if ``r < m``, else ``q``.
     ``op`` is Average or Sum.
     """
-    runtime = current()
-    handle_id = runtime.next_id()
-    full = ops.full_name(runtime, "reducescatter", name, process_set)
-    staged = tt.stage(tensor, writable=False, what=f"reducescatter '{full}'")
-    handle = ops.reducescatter(
-        runtime, staged.wire, full, int(op), prescale_factor, postscale_factor, process_set
+    return binding.reducescatter_async(
+        _ADAPTER, [tensor], name, op, process_set, prescale_factor, postscale_factor, False
     )
-    return runtime.register(handle_id, handle, _finish_array(tensor))
 
 
 def grouped_reducescatter_async(
@@ -385,17 +304,6 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Starts a reducescatter of each tensor, negotiated as one group; ``synchronize`` returns a list."""
-    runtime = current()
-    handle_id = runtime.next_id()
-    base = ops.full_name(runtime, "grouped_reducescatter", name, process_set)
-    names = _group_names(base, len(tensors))
-    staged = [tt.stage(t, writable=False, what=f"reducescatter '{full}'") for t, full in zip(tensors, names)]
-    handles = [
-        ops.reducescatter(
-            runtime, s.wire, full, int(op), prescale_factor, postscale_factor, process_set,
-            group=(base, len(tensors)),
-        )  # fmt: skip
-        for s, full in zip(staged, names)
-    ]
-    finishers = [_finish_array(t) for t in tensors]
-    return runtime.register(handle_id, handles, lambda results: [f(r) for f, r in zip(finishers, results)])
+    return binding.reducescatter_async(
+        _ADAPTER, tensors, name, op, process_set, prescale_factor, postscale_factor, True
+    )
