@@ -261,6 +261,11 @@ def large_job(staging_mb: int) -> list[str]:
     mine = np.arange(count, dtype=np.float32) % 1000 + me
     want = np.arange(count, dtype=np.float32) % 1000 * n + sum(range(n))
     _compare("allreduce", hvd.allreduce(mine, op=hvd.Sum, name="big"), want, np.dtype(np.float32), problems)
+    # Over TCP, more than one pipeline chunk (1 MiB) per rank takes the pipelined ring.
+    longer = n * (3 << 18) + 11
+    mine = np.arange(longer, dtype=np.float32) % 1000 + me
+    want = np.arange(longer, dtype=np.float32) % 1000 * n + sum(range(n))
+    _compare("pipelined", hvd.allreduce(mine, op=hvd.Sum, name="longer"), want, np.dtype(np.float32), problems)
     rows = count // 7
     block = np.arange(rows * 7, dtype=np.float64).reshape(rows, 7) + me
     q, m = divmod(rows, n)
@@ -279,7 +284,7 @@ def large_job(staging_mb: int) -> list[str]:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("size", [2, 3, 4, 8])  # 8: four ranks per core
 @pytest.mark.timeout(240)
 def test_large_buffers(size, transport):
     """Many staging rounds (shared memory) or many pipeline chunks (TCP), with ragged ends."""
@@ -295,7 +300,9 @@ def hierarchical_job() -> dict:
     hvd.init()
     n, me = hvd.size(), hvd.rank()
     runtime = __import__("hora.api", fromlist=["current"]).current()
-    kind = type(runtime.engine._collectives_for(tuple(range(n)))).__name__
+    collectives = runtime.engine._collectives_for(tuple(range(n)))
+    kind = type(collectives).__name__
+    paths = [getattr(collectives, "hierarchical_allreduce", False), getattr(collectives, "hierarchical_allgather", False)]
     problems: list[str] = []
     for count in (1, 7, 1000, 3 * (1 << 20) + 5):  # tiny, uneven, and many pipeline chunks
         mine = np.arange(count, dtype=np.float64) + me
@@ -304,11 +311,19 @@ def hierarchical_job() -> dict:
     x = make(np.dtype(np.float32), me, (33, 5))
     want = np.stack([make(np.dtype(np.float32), r, (33, 5)) for r in range(n)]).astype(np.float64).max(0)
     _compare("max", hvd.allreduce(x, op=hvd.Max, name="max"), want, np.dtype(np.float32), problems)
-    gathered = hvd.allgather(np.array([me]), name="who")  # other collectives: the flat ring
+    gathered = hvd.allgather(np.array([me]), name="who")
     if gathered.tolist() != list(range(n)):
         problems.append(f"allgather {gathered}")
+    # Ragged first dimensions (one rank empty), and rows enough for many staging rounds.
+    for label, rows in (("ragged", lambda r: (r * 3) % 4), ("large", lambda r: 70_000 + 1_000 * r)):
+        mine = make(np.dtype(np.float32), me, (rows(me), 5))
+        want = np.concatenate([make(np.dtype(np.float32), r, (rows(r), 5)) for r in range(n)])
+        got = hvd.allgather(mine, name=label)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            problems.append(f"allgather {label}: shape {got.shape}, want {want.shape}")
+    hvd.broadcast(np.zeros(3), root_rank=n - 1, name="other")  # other collectives: the flat ring
     hvd.shutdown()
-    return {"kind": kind, "problems": problems}
+    return {"kind": kind, "paths": paths, "problems": problems}
 
 
 @pytest.mark.parametrize(
@@ -322,8 +337,21 @@ def hierarchical_job() -> dict:
     ],
 )
 @pytest.mark.timeout(180)
-def test_hierarchical_allreduce_on_emulated_hosts(hosts, kind):
-    results = run_ranks(len(hosts), hierarchical_job, hosts=hosts, timeout=150)
+def test_hierarchical_collectives_on_emulated_hosts(hosts, kind):
+    # Small staging halves: the shared-memory steps take many rounds.
+    results = run_ranks(len(hosts), hierarchical_job, hosts=hosts, timeout=150, env={"HORA_SHM_STAGING_MB": "1"})
     for rank, result in enumerate(results):
         assert result["kind"] == kind
+        if kind == "HierarchicalCollectives":
+            assert result["paths"] == [True, True]
+        assert result["problems"] == [], f"rank {rank}: {result['problems']}"
+
+
+@pytest.mark.parametrize("allreduce, allgather", [("0", "1"), ("1", "0")])
+@pytest.mark.timeout(180)
+def test_hierarchical_forced_off_per_collective(allreduce, allgather):
+    env = {"HORA_HIERARCHICAL_ALLREDUCE": allreduce, "HORA_HIERARCHICAL_ALLGATHER": allgather}
+    results = run_ranks(4, hierarchical_job, hosts=["a", "b", "a", "b"], timeout=150, env=env)
+    for rank, result in enumerate(results):
+        assert result["paths"] == [allreduce == "1", allgather == "1"]
         assert result["problems"] == [], f"rank {rank}: {result['problems']}"

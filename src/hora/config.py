@@ -18,7 +18,8 @@ Runtime knobs
     through mpi4py, for jobs started by mpirun),
     ``HORA_SHARED_MEMORY`` (1: ranks on one machine move data through shared memory),
     ``HORA_SHM_STAGING_MB`` (16: each rank's shared staging buffer),
-    ``HORA_HIERARCHICAL_ALLREDUCE`` (unset: chosen per process set; 1/0: force on/off),
+    ``HORA_HIERARCHICAL_ALLREDUCE``, ``HORA_HIERARCHICAL_ALLGATHER`` (unset: chosen per
+    process set; 1/0: force on/off),
     ``HORA_THREAD_AFFINITY`` (one CPU core per local rank for the engine thread),
     ``HORA_TIMELINE`` (a file rank 0 writes a Chrome trace to; ``DYNAMIC``: none until
     ``start_timeline``), ``HORA_TIMELINE_MARK_CYCLES``.
@@ -26,8 +27,7 @@ Runtime knobs
 Read and validated, without effect (``init()`` warns when they are set)
     ``HORA_AUTOTUNE`` (and its
     ``_LOG``, ``_WARMUP_SAMPLES``, ``_STEPS_PER_SAMPLE``, ``_BAYES_OPT_MAX_SAMPLES``,
-    ``_GAUSSIAN_PROCESS_NOISE``), ``HORA_HIERARCHICAL_ALLGATHER``,
-    ``HORA_TORUS_ALLREDUCE``, ``HORA_NUM_NCCL_STREAMS``, ``HORA_MPI_THREADS_DISABLE``.
+    ``_GAUSSIAN_PROCESS_NOISE``), ``HORA_TORUS_ALLREDUCE``, ``HORA_NUM_NCCL_STREAMS``, ``HORA_MPI_THREADS_DISABLE``.
 
 Job topology (set by ``horarun``)
     ``HORA_RANK``, ``HORA_SIZE``, ``HORA_LOCAL_RANK``, ``HORA_LOCAL_SIZE``,
@@ -168,6 +168,10 @@ class _Reader:
 
         return self._parse(name, default, parse, "one of 1, 0, true, false, yes, no, on, off")
 
+    def optional_flag(self, name: str) -> bool | None:
+        """A flag that is None when unset, so the code can choose for itself."""
+        return None if self.raw(name) is None else self.flag(name)
+
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         def parse(text: str) -> str:
             upper = text.upper()
@@ -222,7 +226,6 @@ class Extras:
     autotune_steps_per_sample: int = 10
     autotune_bayes_opt_max_samples: int = 20
     autotune_gaussian_process_noise: float = 0.8
-    hierarchical_allgather: bool = False
     torus_allreduce: bool = False
     num_nccl_streams: int = 1
     mpi_threads_disable: bool = False
@@ -271,6 +274,7 @@ class Config:
     disable_group_fusion: bool = False
     extras: Extras = Extras()
     hierarchical_allreduce: bool | None = None
+    hierarchical_allgather: bool | None = None
     thread_affinity: tuple[int, ...] = ()
     timeline: str | None = None
     timeline_mark_cycles: bool = False
@@ -344,8 +348,8 @@ class Config:
             start_timeout=env.number("HORA_START_TIMEOUT", 30.0, strict=True),
             disable_group_fusion=env.flag("HORA_DISABLE_GROUP_FUSION"),
             extras=_read_extras(env),
-            hierarchical_allreduce=None if env.raw("HORA_HIERARCHICAL_ALLREDUCE") is None
-            else env.flag("HORA_HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allreduce=env.optional_flag("HORA_HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allgather=env.optional_flag("HORA_HIERARCHICAL_ALLGATHER"),
             thread_affinity=_cores(env),
             timeline=env.text("HORA_TIMELINE"),
             timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
@@ -482,7 +486,6 @@ def _read_extras(env: _Reader) -> Extras:
         autotune_steps_per_sample=env.integer("HORA_AUTOTUNE_STEPS_PER_SAMPLE", 10, lo=1),
         autotune_bayes_opt_max_samples=env.integer("HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, lo=1),
         autotune_gaussian_process_noise=env.fraction("HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8),
-        hierarchical_allgather=env.flag("HORA_HIERARCHICAL_ALLGATHER"),
         torus_allreduce=env.flag("HORA_TORUS_ALLREDUCE"),
         num_nccl_streams=env.integer("HORA_NUM_NCCL_STREAMS", 1, lo=1),
         mpi_threads_disable=env.flag("HORA_MPI_THREADS_DISABLE"),

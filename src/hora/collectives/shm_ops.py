@@ -141,22 +141,54 @@ def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduc
 
 def allgather(group: SharedGroup, buffer: np.ndarray, bounds: Bounds) -> None:
     """Fills every member's segment of ``buffer`` from that member (segment ``rank`` is filled on entry)."""
+    allgather_pieces(group, buffer, [[segment] for segment in bounds])
+
+
+def allgather_pieces(group: SharedGroup, buffer: np.ndarray, pieces: list[Bounds]) -> None:
+    """Fills every member's pieces of ``buffer`` from that member.
+
+    Each member publishes its pieces back to back, a staging half per round; the
+    others copy them out to the same places in their own ``buffer``.
+
+    Args:
+        buffer: holds this member's pieces on entry, every member's on return.
+        pieces: by member, the (offset, length) spans of ``buffer`` it owns, identical on
+            every member; no span overlaps another.
+    """
     n, me = group.size, group.rank
     if n == 1:
         return
     step = _capacity(group, buffer.dtype)
-    longest = max(length for _, length in bounds)
-    for round_, start in enumerate(range(0, max(longest, 1), step)):
+    totals = [sum(length for _, length in spans) for spans in pieces]
+    for round_, start in enumerate(range(0, max(max(totals), 1), step)):
         half = round_ % 2
-        offset, length = bounds[me]
-        piece = max(0, min(step, length - start))
-        _typed(group.stage(me, half), buffer.dtype, piece)[...] = buffer[offset + start : offset + start + piece]
+        stage = group.stage(me, half)
+        for offset, at, length in _slices(pieces[me], start, step):
+            _typed(stage, buffer.dtype, at + length)[at:] = buffer[offset : offset + length]
         group.barrier()
-        for k, (offset, length) in enumerate(bounds):
-            piece = max(0, min(step, length - start))
-            if k != me and piece:
-                buffer[offset + start : offset + start + piece] = _typed(group.stage(k, half), buffer.dtype, piece)
+        for k in range(n):
+            if k == me:
+                continue
+            stage = group.stage(k, half)
+            for offset, at, length in _slices(pieces[k], start, step):
+                buffer[offset : offset + length] = _typed(stage, buffer.dtype, at + length)[at:]
     group.barrier()
+
+
+def _slices(spans: Bounds, start: int, count: int) -> list[tuple[int, int, int]]:
+    """The parts of elements ``[start, start + count)`` of the spans laid end to end.
+
+    Returns:
+        (offset in the buffer, offset in the staging half, length) of each part.
+    """
+    parts: list[tuple[int, int, int]] = []
+    position = 0  # where the current span begins, spans laid end to end
+    for offset, length in spans:
+        lo, hi = max(start, position), min(start + count, position + length)
+        if lo < hi:
+            parts.append((offset + lo - position, lo - start, hi - lo))
+        position += length
+    return parts
 
 
 def broadcast(group: SharedGroup, buffer: np.ndarray, root: int) -> None:

@@ -155,6 +155,10 @@ class SharedCollectives(TcpCollectives):
     def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
         shm_ops.allgather(self._group, buffer, bounds)
 
+    def allgather_pieces(self, buffer: np.ndarray, pieces: list[Bounds]) -> None:
+        """Fills every member's pieces of ``buffer`` (see ``shm_ops.allgather_pieces``)."""
+        shm_ops.allgather_pieces(self._group, buffer, pieces)
+
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
         shm_ops.broadcast(self._group, buffer, root)
 
@@ -163,8 +167,9 @@ class SharedCollectives(TcpCollectives):
 
 
 class HierarchicalCollectives(TcpCollectives):
-    """Allreduce across hosts in three stages; other collectives run over the flat TCP ring.
+    """Allreduce and allgather across hosts in stages; the others run over the flat TCP ring.
 
+    Allreduce:
     1. within each host, a shared-memory reduce-scatter leaves each local rank ``l``
        with segment ``l`` reduced over its host;
     2. across hosts, the ranks with the same local index allreduce their segment over
@@ -172,25 +177,59 @@ class HierarchicalCollectives(TcpCollectives):
        per local rank, all local ranks at once;
     3. within each host, a shared-memory allgather gives every local rank every segment.
 
+    Allgather:
+    1. across hosts, the ranks with the same local index gather their own segments over
+       TCP (the ring), all local ranks at once, so each TCP link carries only the
+       segments of one local index;
+    2. within each host, a shared-memory allgather in which every local rank hands on
+       the segments it gathered.
+
     Args:
         local: the set's members on this host (shared memory).
         cross: the set's members with this rank's local index, one per host (TCP).
         flat: every member of the set (TCP), for the other collectives.
+        layout: by host (in the order of ``cross``), the set indices of its members (in
+            the order of ``local``).
+        allreduce: whether allreduce takes the hierarchical path (else the flat ring).
+        allgather: whether allgather does.
     """
 
-    def __init__(self, local: SharedCollectives, cross: TcpCollectives, flat: StreamingChannel) -> None:
+    def __init__(
+        self,
+        local: SharedCollectives,
+        cross: TcpCollectives,
+        flat: StreamingChannel,
+        layout: list[tuple[int, ...]],
+        allreduce: bool = True,
+        allgather: bool = True,
+    ) -> None:
         super().__init__(flat)
         self._local = local
         self._cross = cross
+        self._layout = layout
+        self.hierarchical_allreduce = allreduce
+        self.hierarchical_allgather = allgather
 
     @property
     def label(self) -> str:
         return "HIERARCHICAL"
 
     def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+        if not self.hierarchical_allreduce:
+            super().allreduce(buffer, reduce)
+            return
         bounds = ring.even_bounds(buffer.size, self._local.size)
         offset, length = bounds[self._local.rank]
         segment = buffer[offset : offset + length]
         self._local.reduce_scatter(buffer, bounds, reduce, segment)
         self._cross.allreduce(segment, reduce)
         self._local.allgather(buffer, bounds)
+
+    def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
+        if not self.hierarchical_allgather:
+            super().allgather(buffer, bounds)
+            return
+        column = self._local.rank
+        self._cross.allgather(buffer, [bounds[host[column]] for host in self._layout])
+        pieces = [[bounds[host[index]] for host in self._layout] for index in range(self._local.size)]
+        self._local.allgather_pieces(buffer, pieces)

@@ -101,8 +101,9 @@ class Engine:
         self._watch = Watch(list(self._links.values()), self._check_urgent)
         self._domain = domain
         self._sharing = sharing or [False] * self.size
-        # Unset: hierarchical allreduce wherever the layout suits it; set: forced on or off.
-        self._hierarchical = config.hierarchical_allreduce is not False
+        # Unset: hierarchical allreduce/allgather wherever the layout suits it; set: forced on or off.
+        self._hierarchical_allreduce = config.hierarchical_allreduce is not False
+        self._hierarchical_allgather = config.hierarchical_allgather is not False
         if domain is not None:
             domain.watch = self._watch
         self._collectives: dict[tuple[int, ...], Collectives] = {}
@@ -379,7 +380,8 @@ class Engine:
 
         All members on this machine: shared memory. Members on several hosts, the same
         number on each, more than one per host, and shared memory working on every one
-        of them: hierarchical allreduce. Otherwise the TCP ring. Every member decides
+        of them: hierarchical allreduce and allgather (each unless turned off). Otherwise
+        the TCP ring. Every member decides
         from the same facts (host names, machines, ``sharing``), so all decide alike.
         """
         collectives = self._collectives.get(ranks)
@@ -397,7 +399,11 @@ class Engine:
         hosts = self._hosts_of(ranks)
         if domain is not None and len(ranks) > 1 and len(hosts) == 1:
             collectives = SharedCollectives(ShmGroup(domain, ranks), channel(ranks))
-        elif domain is not None and self._hierarchical and self._layered(ranks, hosts):
+        elif (
+            domain is not None
+            and (self._hierarchical_allreduce or self._hierarchical_allgather)
+            and self._layered(ranks, hosts)
+        ):
             local = next(members for members in hosts if self.rank in members)
             index = local.index(self.rank)
             cross = tuple(members[index] for members in hosts)
@@ -405,6 +411,9 @@ class Engine:
                 SharedCollectives(ShmGroup(domain, local), channel(local)),
                 TcpCollectives(channel(cross)),
                 channel(ranks),
+                layout=[tuple(ranks.index(rank) for rank in members) for members in hosts],
+                allreduce=self._hierarchical_allreduce,
+                allgather=self._hierarchical_allgather,
             )
         else:
             collectives = TcpCollectives(channel(ranks))
