@@ -308,6 +308,7 @@ def hierarchical_job() -> dict:
         mine = np.arange(count, dtype=np.float64) + me
         want = np.arange(count, dtype=np.float64) * n + sum(range(n))
         _compare(f"sum {count}", hvd.allreduce(mine, op=hvd.Sum, name=f"s{count}"), want, np.dtype(np.float64), problems)
+        _compare(f"average {count}", hvd.allreduce(mine, name=f"a{count}"), want / n, np.dtype(np.float64), problems)
     x = make(np.dtype(np.float32), me, (33, 5))
     want = np.stack([make(np.dtype(np.float32), r, (33, 5)) for r in range(n)]).astype(np.float64).max(0)
     _compare("max", hvd.allreduce(x, op=hvd.Max, name="max"), want, np.dtype(np.float32), problems)

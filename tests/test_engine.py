@@ -75,6 +75,46 @@ def test_fusion_gives_the_same_results_as_no_fusion():
         assert np.array_equal(a, b)
 
 
+def packed_job() -> list[str]:
+    """Fused allreduces larger than a staging half: packed straight into shared memory."""
+    import hora.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+    lengths = [30_011 + 977 * i for i in range(12)]  # ~1.6 MB of float32: rounds end mid-tensor
+    mine = [np.arange(k, dtype=np.float32) % 97 + me for k in lengths]
+    base = [np.arange(k, dtype=np.float32) % 97 for k in lengths]
+    got = hvd.grouped_allreduce(mine, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5, name="avg")
+    for i, (g, b) in enumerate(zip(got, base)):
+        want = (b * n + sum(range(n))) * 2.0 * 0.5 / n
+        if not np.allclose(g, want, rtol=1e-6):
+            problems.append(f"average {i}: {g[:3]} want {want[:3]}")
+    in_place = [np.full(k, float(me + 1), dtype=np.float64) for k in lengths[:5]]
+    hvd.grouped_allreduce_(in_place, op=hvd.Sum, name="in place")
+    for i, t in enumerate(in_place):
+        if not np.array_equal(t, np.full(t.size, n * (n + 1) / 2)):
+            problems.append(f"in place {i}: {t[:3]}")
+    # Uneven work: ranks that joined contribute zeros to the fused tensors of the others.
+    for step in range(me + 1):
+        got = hvd.grouped_allreduce([np.ones(k, dtype=np.float32) for k in lengths[:4]], op=hvd.Sum, name=f"j{step}")
+        active = sum(1 for r in range(n) if r + 1 > step)
+        if any(not np.array_equal(g, np.full(g.size, float(active))) for g in got):
+            problems.append(f"joined step {step}: {[g[:2] for g in got]}")
+    hvd.join()
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(120)
+def test_fused_allreduce_packed_in_shared_memory(size):
+    # Staging halves of 512 KiB: each fused response takes several rounds.
+    results = run_ranks(size, packed_job, env={"HORA_SHM_STAGING_MB": "1"})
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems)
+
+
 def join_job() -> dict:
     import hora.numpy as hvd
 

@@ -8,6 +8,7 @@ algorithms over the mesh's TCP links.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -33,8 +34,24 @@ class Collectives(Protocol):
     def label(self) -> str:
         """The transport, for the timeline: ``SHM``, ``TCP_RING`` or ``HIERARCHICAL``."""
 
-    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
-        """Reduces ``buffer`` in place; every rank gets the result."""
+    def allreduce(
+        self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
+    ) -> None:
+        """Reduces ``buffer`` in place; every rank gets the result, scaled by ``postscale``.
+
+        ``postscale`` scales reduced data in place, applied by each algorithm where it
+        costs least (on the share a rank reduced, before it is shared, where it can).
+        """
+
+    def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
+                         lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
+                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+        """Allreduces several tensors without a private fusion buffer, where the transport can.
+
+        Returns:
+            False, having done nothing, where it cannot (the caller packs the tensors into a
+            fusion buffer and calls ``allreduce``). Arguments as ``shm_ops.allreduce_packed``.
+        """
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
         """Adasum-reduces each tensor of ``buffer`` in place."""
@@ -99,13 +116,22 @@ class TcpCollectives:
             self._scratch = np.empty(max(nbytes, self._scratch.size * 2), dtype=np.uint8)
         return self._scratch[:nbytes].view(dtype)
 
-    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+    def allreduce(
+        self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
+    ) -> None:
         if buffer.nbytes > pipeline.CHUNK_BYTES * self.size:
             pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
-            return
-        # The ring receives at most one segment (a 1/size share, rounded up) at a time.
-        scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
-        ring.allreduce(self._channel, buffer, reduce, scratch)
+        else:
+            # The ring receives at most one segment (a 1/size share, rounded up) at a time.
+            scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
+            ring.allreduce(self._channel, buffer, reduce, scratch)
+        if postscale is not None:
+            postscale(buffer)  # TCP is slower than a pass over memory: no gain in folding it in
+
+    def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
+                         lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
+                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+        return False  # the ring reduces a buffer in place: the caller packs
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
         adasum.allreduce(self._channel, buffer, tensors)
@@ -146,8 +172,19 @@ class SharedCollectives(TcpCollectives):
     def label(self) -> str:
         return "SHM"
 
-    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
-        shm_ops.allreduce(self._group, buffer, reduce)
+    def allreduce(
+        self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
+    ) -> None:
+        shm_ops.allreduce(self._group, buffer, reduce, postscale)
+
+    def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
+                         lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
+                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+        # Small fused buffers take the short path of ``allreduce`` (no reduction shares).
+        if self._group.size == 1 or sum(lengths) * dtype.itemsize <= shm_ops.SMALL_BYTES:
+            return False
+        shm_ops.allreduce_packed(self._group, inputs, outputs, lengths, dtype, reduce, prescale, postscale)
+        return True
 
     def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
         shm_ops.reduce_scatter(self._group, data, bounds, reduce, output)
@@ -214,15 +251,17 @@ class HierarchicalCollectives(TcpCollectives):
     def label(self) -> str:
         return "HIERARCHICAL"
 
-    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+    def allreduce(
+        self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
+    ) -> None:
         if not self.hierarchical_allreduce:
-            super().allreduce(buffer, reduce)
+            super().allreduce(buffer, reduce, postscale)
             return
         bounds = ring.even_bounds(buffer.size, self._local.size)
         offset, length = bounds[self._local.rank]
         segment = buffer[offset : offset + length]
         self._local.reduce_scatter(buffer, bounds, reduce, segment)
-        self._cross.allreduce(segment, reduce)
+        self._cross.allreduce(segment, reduce, postscale)  # each rank scales only its segment
         self._local.allgather(buffer, bounds)
 
     def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:

@@ -147,6 +147,23 @@ class Executor:
         dtype = DataType(response.dtype)
         reduce = reducer(SUM if response.type == ResponseType.ADASUM else response.reduce_op, dtype)
         entries = [self._take(response, index) for index in range(len(response.names))]
+
+        def postscale(part: np.ndarray) -> None:
+            scale(part, response.postscale, dtype)
+
+        if response.type == ResponseType.ALLREDUCE and len(entries) > 1 and channel.allreduce_packed(
+            [None if entry is None else entry.input for entry in entries],
+            [None if entry is None else entry.output for entry in entries],
+            response.sizes,
+            dtype.storage,
+            reduce,
+            lambda window: scale(window, response.prescale, dtype),
+            postscale,
+        ):
+            for entry in entries:
+                if entry is not None and entry.output is not None:
+                    entry.handle.complete(entry.output.reshape(entry.shape))
+            return
         only = entries[0] if len(entries) == 1 else None
         if only is not None and only.output is not None and only.input is not None:
             # One tensor: reduce in its own output buffer, no packing copy.
@@ -166,9 +183,9 @@ class Executor:
         scale(buffer, response.prescale, dtype)
         if response.type == ResponseType.ADASUM:
             channel.adasum(buffer, ring.bounds_from_lengths(response.sizes))
+            scale(buffer, response.postscale, dtype)
         else:
-            channel.allreduce(buffer, reduce)
-        scale(buffer, response.postscale, dtype)
+            channel.allreduce(buffer, reduce, postscale)
         offset = 0
         for entry, count in zip(entries, response.sizes):
             if entry is not None and entry.output is not None:

@@ -15,7 +15,7 @@ job); hora's own failure messages cover everything outside MPI calls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,10 +131,19 @@ class MpiCollectives:
         else:
             target[...] = wide
 
-    def allreduce(self, buffer: np.ndarray, reduce: Reducer) -> None:
+    def allreduce(
+        self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
+    ) -> None:
         wide, op = self._reducing(buffer, reduce)
         self._comm.Allreduce(self._mpi.IN_PLACE, wide, op=op)
         self._narrow(wide, buffer, reduce)
+        if postscale is not None:
+            postscale(buffer)
+
+    def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
+                         lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
+                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+        return False  # MPI reduces one buffer: the caller packs
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
         adasum.allreduce(MpiChannel(self._comm, self._mpi), buffer, tensors)
