@@ -115,6 +115,32 @@ def test_fused_allreduce_packed_in_shared_memory(size):
         assert problems == [], f"rank {rank}: " + "\n".join(problems)
 
 
+def bad_group_job() -> dict:
+    import hora.numpy as hvd
+    from hora.api import current
+
+    hvd.init()
+    error = ""
+    if hvd.rank() == 0:
+        try:  # the second tensor is refused (Average of bools): the first must not be queued either
+            hvd.grouped_allreduce([np.ones(3), np.array([True])], name="bad")
+        except ValueError as exc:
+            error = str(exc)
+    in_flight = len(current().engine.queue)
+    after = hvd.grouped_allreduce([np.ones(2), np.full(3, 2.0)], op=hvd.Sum, name="good")
+    hvd.shutdown()
+    return {"error": error, "in_flight": in_flight, "after": [a.tolist() for a in after]}
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_tensor_keeps_its_whole_group_out():
+    results = run_ranks(2, bad_group_job)
+    assert "Average is not defined for bool" in results[0]["error"]
+    for result in results:
+        assert result["in_flight"] == 0
+        assert result["after"] == [[2.0, 2.0], [4.0, 4.0, 4.0]]
+
+
 def join_job() -> dict:
     import hora.numpy as hvd
 

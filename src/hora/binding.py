@@ -96,13 +96,14 @@ def allreduce_async(
     base = ops.full_name(runtime, "grouped_allreduce", name, process_set)
     names = _group_names(base, len(tensors))
     prepared = [_staged_pair(adapter, t, f"allreduce '{full}'", inplace) for t, full in zip(tensors, names)]
-    handles = [
-        ops.allreduce(
-            runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set,
-            group=(base, len(tensors)),
-        )  # fmt: skip
-        for (wire, output, _), full in zip(prepared, names)
-    ]
+    with runtime.batch():  # the whole group reaches the engine at once, or none of it
+        handles = [
+            ops.allreduce(
+                runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set,
+                group=(base, len(tensors)),
+            )  # fmt: skip
+            for (wire, output, _), full in zip(prepared, names)
+        ]
     return _register_group(runtime, handle_id, handles, [(lambda f: lambda _: f())(f) for _, _, f in prepared])
 
 
@@ -118,9 +119,10 @@ def allgather_async(adapter: Adapter, tensors: Sequence[Any], name: str | None, 
     base = ops.full_name(runtime, "grouped_allgather", name, process_set)
     names = _group_names(base, len(tensors))
     wires = [adapter.stage(t, False, f"allgather '{full}'")[0] for t, full in zip(tensors, names)]
-    handles = [
-        ops.allgather(runtime, wire, full, process_set, group=(base, len(tensors))) for wire, full in zip(wires, names)
-    ]
+    with runtime.batch():  # the whole group reaches the engine at once, or none of it
+        handles = [
+            ops.allgather(runtime, wire, full, process_set, group=(base, len(tensors))) for wire, full in zip(wires, names)
+        ]
     return _register_group(runtime, handle_id, handles, [(lambda t: lambda r: adapter.wrap(r, t))(t) for t in tensors])
 
 
@@ -173,11 +175,12 @@ def reducescatter_async(
     base = ops.full_name(runtime, "grouped_reducescatter", name, process_set)
     names = _group_names(base, len(tensors))
     wires = [adapter.stage(t, False, f"reducescatter '{full}'")[0] for t, full in zip(tensors, names)]
-    handles = [
-        ops.reducescatter(
-            runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set,
-            group=(base, len(tensors)),
-        )  # fmt: skip
-        for wire, full in zip(wires, names)
-    ]
+    with runtime.batch():  # the whole group reaches the engine at once, or none of it
+        handles = [
+            ops.reducescatter(
+                runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set,
+                group=(base, len(tensors)),
+            )  # fmt: skip
+            for wire, full in zip(wires, names)
+        ]
     return _register_group(runtime, handle_id, handles, [(lambda t: lambda r: adapter.wrap(r, t))(t) for t in tensors])

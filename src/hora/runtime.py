@@ -7,12 +7,13 @@ second ``init()`` after ``shutdown()`` builds a fresh one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._handles: dict[int, tuple[Handle | list[Handle], Finish]] = {}
+        self._batch = threading.local()  # .pending: the entries of this thread's open batch()
         self._unnamed: dict[tuple[str, int], int] = {}
 
     @property
@@ -131,8 +133,32 @@ class Runtime:
             group_size=group_size,
         )
         handle = Handle(name)
-        self.engine.submit(Entry(request, dtype, data, output, handle))
+        entry = Entry(request, dtype, data, output, handle)
+        pending: list[Entry] | None = getattr(self._batch, "pending", None)
+        if pending is None:
+            self.engine.submit(entry)
+        else:
+            pending.append(entry)
         return handle
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Queues every tensor this thread submits inside the block at once, when it ends.
+
+        One lock and one engine wake-up for a whole group, and all or nothing: when the
+        block raises, or any of its tensors cannot be queued, none of them is.
+
+        Raises:
+            ValueError: a tensor's name is already in flight (see ``TensorQueue.add_many``).
+            HoraInternalError: the job has failed or shut down.
+        """
+        pending: list[Entry] = []
+        self._batch.pending = pending
+        try:
+            yield
+        finally:
+            self._batch.pending = None
+        self.engine.submit_many(pending)
 
     def register(self, handle_id: int, handles: Handle | list[Handle], finish: Finish) -> int:
         """Files handles under an id for ``poll``/``synchronize``; returns the id."""

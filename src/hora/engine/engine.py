@@ -139,8 +139,13 @@ class Engine:
         self._thread.start()
 
     def submit(self, entry: Entry) -> None:
-        """Queues a tensor for negotiation (see ``TensorQueue.add`` for errors)."""
-        self.queue.add(entry)
+        """Queues a tensor for negotiation (see ``TensorQueue.add_many`` for errors)."""
+        self.queue.add_many([entry])
+
+    def submit_many(self, entries: list[Entry]) -> None:
+        """Queues several tensors at once, or none (see ``TensorQueue.add_many`` for errors)."""
+        if entries:
+            self.queue.add_many(entries)
 
     def stop(self) -> None:
         """Makes this rank leave the job and waits until its engine has finished.

@@ -1,6 +1,6 @@
 """The tensor queue: entries submitted by user threads and waiting for the engine.
 
-User threads ``add`` entries; the engine ``drain``s the new ones to announce them to
+User threads add entries (``add_many``); the engine ``drain``s the new ones to announce them to
 the coordinator, and ``pop``s each by name when its response arrives. Names are
 unique per process set among entries in flight.
 
@@ -66,22 +66,25 @@ class TensorQueue:
         self._closed: Callable[[Entry], BaseException] | None = None
         self._wake = wake
 
-    def add(self, entry: Entry) -> None:
-        """Queues an entry and wakes the engine.
+    def add_many(self, entries: list[Entry]) -> None:
+        """Queues entries, all or none, and wakes the engine once.
 
         Raises:
-            ValueError: an entry of the same name is in flight in the same set.
+            ValueError: an entry's name is in flight in its set already (or twice among
+                ``entries``).
             HoraInternalError: the runtime has shut down or failed.
         """
         with self._lock:
             if self._closed is not None:
-                raise self._closed(entry)
-            if entry.key in self._entries:
-                raise ValueError(
-                    DUPLICATE_NAME.format(label=entry.request.label, set_id=entry.key[0])
-                )
-            self._entries[entry.key] = entry
-            self._new.append(entry)
+                raise self._closed(entries[0])
+            keys = set()
+            for entry in entries:
+                if entry.key in self._entries or entry.key in keys:
+                    raise ValueError(DUPLICATE_NAME.format(label=entry.request.label, set_id=entry.key[0]))
+                keys.add(entry.key)
+            for entry in entries:
+                self._entries[entry.key] = entry
+            self._new.extend(entries)
         self._wake()
 
     def seal(self, error_for: Callable[[Entry], BaseException]) -> None:
