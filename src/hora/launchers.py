@@ -217,33 +217,40 @@ def _checked(launch: LaunchEnv, names: str) -> LaunchEnv:
 
 
 def _openmpi(env: Mapping[str, str]) -> LaunchEnv:
-    size = _integer(env, "OMPI_COMM_WORLD_SIZE", 1)
-    rank = _integer(env, "OMPI_COMM_WORLD_RANK")
-    local_rank = _optional(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-    local_size = _optional(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
-    if local_rank is None or local_size is None:
-        local_rank, local_size = rank, size
-    cross_rank, cross_size = block_cross(rank, size, local_rank, local_size)
-    addr, port = _explicit_rendezvous(env)
-    if addr is None and local_size == size and port is not None:
-        addr = "127.0.0.1"
-    launch = LaunchEnv("openmpi", rank, size, local_rank, local_size, cross_rank, cross_size, None, addr, port)
-    return _checked(launch, "OMPI_COMM_WORLD_*")
+    return _mpi_launch(
+        env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_*",
+    )  # fmt: skip
 
 
 def _mpich(env: Mapping[str, str]) -> LaunchEnv:
-    size = _integer(env, "PMI_SIZE", 1)
-    rank = _integer(env, "PMI_RANK")
-    local_rank = _optional(env, "MPI_LOCALRANKID")
-    local_size = _optional(env, "MPI_LOCALNRANKS", 1)
+    return _mpi_launch(
+        env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+        "PMI_RANK/PMI_SIZE/MPI_LOCALRANKID/MPI_LOCALNRANKS",
+    )  # fmt: skip
+
+
+def _mpi_launch(
+    env: Mapping[str, str], kind: str, rank_name: str, size_name: str, local_rank_name: str, local_size_name: str,
+    names: str,
+) -> LaunchEnv:
+    """The topology an MPI launcher gives through its variables (``names`` for errors).
+
+    Without the local variables every rank counts as local; a job on one machine with a
+    port but no address meets at loopback.
+    """
+    size = _integer(env, size_name, 1)
+    rank = _integer(env, rank_name)
+    local_rank = _optional(env, local_rank_name)
+    local_size = _optional(env, local_size_name, 1)
     if local_rank is None or local_size is None:
         local_rank, local_size = rank, size
     cross_rank, cross_size = block_cross(rank, size, local_rank, local_size)
     addr, port = _explicit_rendezvous(env)
     if addr is None and local_size == size and port is not None:
         addr = "127.0.0.1"
-    launch = LaunchEnv("mpich", rank, size, local_rank, local_size, cross_rank, cross_size, None, addr, port)
-    return _checked(launch, "PMI_RANK/PMI_SIZE/MPI_LOCALRANKID/MPI_LOCALNRANKS")
+    launch = LaunchEnv(kind, rank, size, local_rank, local_size, cross_rank, cross_size, None, addr, port)
+    return _checked(launch, names)
 
 
 def _slurm(env: Mapping[str, str]) -> LaunchEnv:

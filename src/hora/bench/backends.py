@@ -62,6 +62,18 @@ def _numpy_dtype(dtype: str) -> Any:
     return np.dtype(dtype)
 
 
+def _horovod_call(hvd: Any, collective: str, buf: Any, red: Any, root: int, name: str, out: list[Any]) -> Callable[[], Any]:
+    """One collective through Horovod's API (hora's or Horovod's own); results land in ``out[0]``."""
+    calls: dict[str, Callable[[], Any]] = {
+        "allreduce": lambda: hvd.allreduce_(buf, op=red, name=name),
+        "broadcast": lambda: hvd.broadcast_(buf, root, name=name),
+        "allgather": lambda: out.__setitem__(0, hvd.allgather(buf, name=name)),
+        "alltoall": lambda: out.__setitem__(0, hvd.alltoall(buf, name=name)),
+        "reducescatter": lambda: out.__setitem__(0, hvd.reducescatter(buf, name=name, op=red)),
+    }
+    return calls[collective]
+
+
 class HoraBackend(Backend):
     def __init__(self) -> None:
         import hora
@@ -82,19 +94,10 @@ class HoraBackend(Backend):
     def case(self, collective: str, per_rank: int, dtype: str, op: str, root: int) -> Case:
         if collective == "reducescatter" and op not in ("sum", "avg"):
             raise Unsupported(f"hora's reducescatter has no '{op}' reduction (only sum and avg, as Horovod's)")
-        hvd, red = self.hvd, self.ops[op]
         buf = np.zeros(per_rank, dtype=_numpy_dtype(dtype))
-        name = f"bench.{collective}.{buf.nbytes}"
         out: list[np.ndarray] = [buf]
-        calls: dict[str, Callable[[], Any]] = {
-            "allreduce": lambda: hvd.allreduce_(buf, op=red, name=name),
-            "broadcast": lambda: hvd.broadcast_(buf, root, name=name),
-            "allgather": lambda: out.__setitem__(0, hvd.allgather(buf, name=name)),
-            "alltoall": lambda: out.__setitem__(0, hvd.alltoall(buf, name=name)),
-            "reducescatter": lambda: out.__setitem__(0, hvd.reducescatter(buf, name=name, op=red)),
-        }
-        call = calls[collective]
-        return Case(lambda v: buf.fill(v), lambda: call(), lambda: np.asarray(out[0], dtype=np.float64))
+        call = _horovod_call(self.hvd, collective, buf, self.ops[op], root, f"bench.{collective}.{buf.nbytes}", out)
+        return Case(lambda v: buf.fill(v), call, lambda: np.asarray(out[0], dtype=np.float64))
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
@@ -227,19 +230,10 @@ class HorovodBackend(Backend):
     def case(self, collective: str, per_rank: int, dtype: str, op: str, root: int) -> Case:
         if collective == "reducescatter" and op not in ("sum", "avg"):
             raise Unsupported(f"Horovod's reducescatter has no '{op}' reduction (only sum and avg)")
-        hvd, red = self.hvd, self.ops[op]
         buf = self.t.zeros(per_rank, dtype)
-        name = f"bench.{collective}.{per_rank}"
         out: list[Any] = [buf]
-        calls: dict[str, Callable[[], Any]] = {
-            "allreduce": lambda: hvd.allreduce_(buf, op=red, name=name),
-            "broadcast": lambda: hvd.broadcast_(buf, root, name=name),
-            "allgather": lambda: out.__setitem__(0, hvd.allgather(buf, name=name)),
-            "alltoall": lambda: out.__setitem__(0, hvd.alltoall(buf, name=name)),
-            "reducescatter": lambda: out.__setitem__(0, hvd.reducescatter(buf, name=name, op=red)),
-        }
-        call = calls[collective]
-        return Case(lambda v: buf.fill_(v), lambda: call(), lambda: self.t.numpy(out[0]))
+        call = _horovod_call(self.hvd, collective, buf, self.ops[op], root, f"bench.{collective}.{per_rank}", out)
+        return Case(lambda v: buf.fill_(v), call, lambda: self.t.numpy(out[0]))
 
     def shutdown(self) -> None:
         self.hvd.shutdown()

@@ -83,25 +83,13 @@ def _movable(buffer: np.ndarray) -> np.ndarray:
     return buffer
 
 
-class MpiCollectives:
-    """One process set's collectives on its MPI communicator.
+class MpiCollectives(MpiChannel):
+    """One process set's collectives on its MPI communicator (also its channel, for Adasum).
 
     Args:
         comm: the set's communicator (ranks in set order).
         mpi: mpi4py's MPI module.
     """
-
-    def __init__(self, comm: Any, mpi: Any) -> None:
-        self._comm = comm
-        self._mpi = mpi
-
-    @property
-    def rank(self) -> int:
-        return int(self._comm.Get_rank())
-
-    @property
-    def size(self) -> int:
-        return int(self._comm.Get_size())
 
     @property
     def label(self) -> str:
@@ -146,7 +134,7 @@ class MpiCollectives:
         return False  # MPI reduces one buffer: the caller packs
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
-        adasum.allreduce(MpiChannel(self._comm, self._mpi), buffer, tensors)
+        adasum.allreduce(self, buffer, tensors)
 
     def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
         wide_in, op = self._reducing(data, reduce)

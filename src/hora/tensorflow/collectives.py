@@ -65,6 +65,18 @@ def _floats(dys: list[Any], xs: list[Any]) -> list[int]:
     return [i for i, (dy, x) in enumerate(zip(dys, xs)) if dy is not None and bridge.is_float(x.dtype)]
 
 
+def _shaped_like_inputs(kernel: Any, what: str) -> Callable[..., list[Any]]:
+    """The forward of a kernel whose outputs have their inputs' shapes and types."""
+
+    def forward(*xs: Any) -> list[Any]:
+        ys = bridge.run(kernel, xs, [x.dtype for x in xs], what)
+        for y, x in zip(ys, xs):
+            y.set_shape(x.shape)
+        return ys
+
+    return forward
+
+
 def _prepare(tensors: Sequence[Any], process_set: ProcessSet, what: str) -> list[Any]:
     converted = [tf.convert_to_tensor(t) for t in tensors]
     for tensor in converted:
@@ -106,11 +118,7 @@ def _allreduce(
             )
     kernel = kernels.allreduce(name, op, prescale, postscale, process_set, grouped)
 
-    def forward(*xs: Any) -> list[Any]:
-        ys = bridge.run(kernel, xs, [x.dtype for x in xs], what)
-        for y, x in zip(ys, xs):
-            y.set_shape(x.shape)
-        return ys
+    forward = _shaped_like_inputs(kernel, what)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
@@ -297,11 +305,7 @@ def _broadcast(
         raise ValueError(f"hora.tensorflow.broadcast: root_rank {root_rank} is not a rank of the process set (size {size})")
     kernel = kernels.broadcast(name, int(root_rank), process_set, grouped)
 
-    def forward(*xs: Any) -> list[Any]:
-        ys = bridge.run(kernel, xs, [x.dtype for x in xs], what)
-        for y, x in zip(ys, xs):
-            y.set_shape(x.shape)
-        return ys
+    forward = _shaped_like_inputs(kernel, what)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
