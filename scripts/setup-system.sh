@@ -14,7 +14,10 @@ PACKAGES=(
     slurm-wlm slurmctld slurmd slurm-client munge
 )
 
-installed=$(dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null | awk '$4 == "installed" {print $1}')
+# dpkg-query exits 1 when some package is unknown to dpkg (never installed on this machine),
+# which pipefail would turn into a silent exit: only its output matters here.
+installed=$({ dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null || true; } |
+    awk '$4 == "installed" {print $1}')
 missing=()
 for package in "${PACKAGES[@]}"; do
     if ! grep -qx "$package" <<<"$installed"; then
