@@ -132,7 +132,7 @@ class Runtime:
             group=group,
             group_size=group_size,
         )
-        handle = Handle(name)
+        handle = Handle(name, self.engine.drive)
         entry = Entry(request, dtype, data, output, handle)
         pending: list[Entry] | None = getattr(self._batch, "pending", None)
         if pending is None:

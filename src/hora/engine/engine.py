@@ -11,6 +11,18 @@ Each pass of the loop:
 3. on rank 0, hands each ready response to the ranks of its process set;
 4. executes this rank's responses in the agreed order.
 
+Who runs a pass: the engine thread, or a user thread. All engine state belongs to
+whichever thread holds ``_drive``. A thread that submits announces its tensors itself
+when the lock is free (it never executes collectives there, so an asynchronous submit
+never waits for peers), and a thread that waits for a handle runs passes itself until
+the handle completes (``drive``). A blocking collective thus runs start to end on the
+caller's thread, with no hand-off to the engine thread and back: each such hand-off is a
+kernel wake-up of tens of microseconds on a small machine, and the engine thread and
+the caller no longer compete for the same cores. The engine thread does everything no
+caller is waiting for (asynchronous work, serving other ranks' requests on rank 0,
+failures, shutdown), and it alone ends the job: a caller that meets a failure hands the
+exception to it.
+
 Failure: a lost peer, an abort, or a protocol error ends the job on this rank: every
 pending and later operation fails with ``HoraInternalError`` naming the lost rank.
 Rank 0 tells every worker (ABORT); a worker that sees a peer fail first reports it to
@@ -40,6 +52,7 @@ from hora.engine import messages
 from hora.engine.algorithms import Collectives, HierarchicalCollectives, SharedCollectives, TcpCollectives
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
+from hora.engine.handles import Handle
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
 from hora.engine.mpi_collectives import MpiWorld
@@ -61,6 +74,12 @@ ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of 
 # sleeping thread costs tens of microseconds on small machines. Idle, it does not spin.
 SPIN_AFTER_WORK = 100e-6
 LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
+# While a caller drives the engine, and this long after one did, the engine thread leaves
+# the control links to callers and sleeps on its wake-up socket alone (parked): a thread
+# waiting for a result usually comes back within microseconds, and an engine thread
+# woken by every frame only to find a caller reading it costs a core on small machines.
+# This bounds how late a parked engine thread serves what no caller waits for.
+PARK_SECONDS = 2e-3
 
 
 class _JobFailed(Exception):
@@ -91,7 +110,7 @@ class Engine:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.queue = TensorQueue(self._wake_if_sleeping)
+        self.queue = TensorQueue()
         self.sets = ProcessSetTable(self.size)
         self._coordinator = (
             Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
@@ -123,10 +142,21 @@ class Engine:
         if self._coordinator is not None and config.timeline and config.timeline != "DYNAMIC":
             self._use_timeline(Timeline(config.timeline, config.timeline_mark_cycles))
         self._stop_requested = False
-        # Set while the engine blocks in poll: only then does a submit need to write a
-        # wake-up byte (the GIL orders these flag and queue accesses; see _wait).
+        # Held by the thread running an engine pass (the engine thread or a caller).
+        self._drive = threading.Lock()
+        # Set while the engine thread, or a caller holding _drive, blocks in poll: only
+        # then does a submit need to write a wake-up byte (the GIL orders these flags and
+        # the queue accesses; see _poll).
         self._sleeping = False
-        self._last_work = 0.0  # perf_counter time the loop last did something
+        self._caller_sleeping = False
+        self._caller_error: BaseException | None = None  # raised by a caller's pass; the engine fails with it
+        self._finished = False  # set under _drive once the engine has failed or closed
+        self._driving = False  # set while a caller holds _drive (see drive)
+        self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
+        self._parked = False  # set while the engine thread sleeps on the wake-up socket alone
+        self._park_poller = select.poll()
+        self._park_poller.register(self._wake_r.fileno(), select.POLLIN)
+        self._last_work = 0.0  # perf_counter time the engine thread's loop last did something
         self._leaving_since: float | None = None  # set once this rank began to leave
         self._lingering_noted = False
         self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
@@ -139,13 +169,69 @@ class Engine:
         self._thread.start()
 
     def submit(self, entry: Entry) -> None:
-        """Queues a tensor for negotiation (see ``TensorQueue.add_many`` for errors)."""
-        self.queue.add_many([entry])
+        """Queues a tensor for negotiation (see ``submit_many``)."""
+        self.submit_many([entry])
 
     def submit_many(self, entries: list[Entry]) -> None:
-        """Queues several tensors at once, or none (see ``TensorQueue.add_many`` for errors)."""
-        if entries:
-            self.queue.add_many(entries)
+        """Queues several tensors at once, or none, and announces them.
+
+        When no other thread runs an engine pass, this one announces them itself (and
+        on rank 0 sends the responses that became ready to their ranks); it leaves
+        executing to a waiting caller or the engine thread. Otherwise the thread in the
+        pass sees them; it is woken if it sleeps.
+
+        Raises:
+            ValueError: a name is in flight already (see ``TensorQueue.add_many``).
+            HoraInternalError: the runtime has shut down or failed.
+        """
+        if not entries:
+            return
+        self.queue.add_many(entries)
+        # With a cycle time set, the engine thread waits that long to batch tensors.
+        if self._config.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
+            self._wake_if_sleeping()
+            return
+        try:
+            if not self._finished and self._caller_error is None:
+                new = self.queue.drain()
+                if new:
+                    self._announce(new)
+                if self._coordinator is not None:
+                    self._distribute(self._coordinator.take())
+        except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
+            self._caller_error = exc
+        finally:
+            self._drive.release()
+        if self._responses or self._caller_error is not None:
+            self._wake()  # the engine thread executes, unless a waiting caller gets there first
+
+    def drive(self, handle: Handle) -> None:
+        """Runs engine passes on the calling thread until ``handle`` completes.
+
+        Returns early, leaving the handle to the engine thread, when the engine has
+        finished or is stopping, when a pass fails (the engine thread then fails the job
+        with the error, completing the handle), or when called on the engine thread.
+        """
+        if threading.current_thread() is self._thread:
+            return
+        with self._drive:
+            self._driving = True
+            poller, fds = self._new_poller()
+            try:
+                while not handle.done() and not self._finished and not self._stop_requested:
+                    if self._caller_error is not None:
+                        break
+                    if fds != self._by_fd.keys():  # a link closed
+                        poller, fds = self._new_poller()
+                    self._absorb(self._poll(poller, caller=True), poller)
+                    self._pass()
+            except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
+                self._caller_error = exc
+            leftover = self._caller_error is not None or self._busy() or self.queue.has_new()
+            self._caller_left = time.perf_counter()
+            self._driving = False
+        if leftover:
+            self._wake()
 
     def stop(self) -> None:
         """Makes this rank leave the job and waits until its engine has finished.
@@ -178,7 +264,7 @@ class Engine:
             raise error
 
     def _wake_if_sleeping(self) -> None:
-        if self._sleeping:
+        if self._sleeping or self._caller_sleeping:
             self._wake()
 
     def _wake(self) -> None:
@@ -199,15 +285,23 @@ class Engine:
                 log.warning("hora: rank %d cannot pin its engine thread to core %d: %s", self.rank, core, exc)
         try:
             self._loop()
-        except (_JobFailed, StalledError) as exc:
-            self._fail(str(exc))
-        except LinkClosed as exc:
-            self._fail(self._lost(exc.link, exc.detail))
-        except Exception as exc:  # noqa: BLE001 - a bug must fail every handle, never hang them
-            log.exception("hora: the engine on rank %d failed", self.rank)
-            self._fail(f"hora's engine on rank {self.rank} failed: {exc!r}")
+        except BaseException as exc:  # noqa: BLE001 - every failure must fail the handles, never hang them
+            with self._drive:
+                self._finished = True
+                self._fail(self._reason(exc))
         finally:
-            self._close()
+            with self._drive:
+                self._finished = True
+                self._close()
+
+    def _reason(self, exc: BaseException) -> str:
+        """What every pending operation fails with, for an exception that ended the engine."""
+        if isinstance(exc, (_JobFailed, StalledError)):
+            return str(exc)
+        if isinstance(exc, LinkClosed):
+            return self._lost(exc.link, exc.detail)
+        log.error("hora: the engine on rank %d failed", self.rank, exc_info=exc)
+        return f"hora's engine on rank {self.rank} failed: {exc!r}"
 
     def _use_timeline(self, timeline: Timeline | None) -> None:
         if self._timeline is not None:
@@ -230,66 +324,129 @@ class Engine:
         self._timeline_applied.set()
 
     def _loop(self) -> None:
+        """The engine thread: waits without the lock, then runs a pass holding it."""
         while True:
-            self._wait()
-            self._apply_timeline_request()
-            self._read_control()
-            if self._stop_requested and self._leaving_since is None:
-                self._begin_leaving()
-                if self._coordinator is None:
-                    self._leave()
-                    return
-            new = self.queue.drain()
-            if new or self._responses:
-                self._last_work = time.perf_counter()
-            if new and self._config.cycle_time_ms > 0:
-                time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
-                new += self.queue.drain()
-            if new:
-                self._announce(new)
-            if self._coordinator is not None:
-                self._distribute(self._coordinator.take())
-            if self._timeline is not None and (new or self._responses):
-                self._timeline.cycle()
-            while self._responses:
-                self._executor.run(self._responses.popleft())
-            if self._stall is not None and self._coordinator is not None:
-                self._stall.check(self._coordinator)
-            if self._leaving_since is not None and not self._links and not self._responses:
-                return  # rank 0: every worker has left
+            if self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS:
+                events = self._park()
+            else:
+                events = self._poll(self._poller, caller=False)
+            with self._drive:
+                if self._caller_error is not None:
+                    error, self._caller_error = self._caller_error, None
+                    raise error
+                self._absorb(events, self._poller)
+                self._note_lingering()
+                if self._stop_requested and self._leaving_since is None:
+                    self._begin_leaving()
+                    if self._coordinator is None:
+                        self._leave()
+                        return
+                if self._pass():
+                    self._last_work = time.perf_counter()
+                elif self._timeline is not None:
+                    self._timeline.flush()  # about to idle: the file on disk is complete
+                if self._leaving_since is not None and not self._links and not self._responses:
+                    return  # rank 0: every worker has left
 
-    def _wait(self) -> None:
-        busy = self._responses or any(link.frames or link.closed_by_peer for link in self._links.values())
-        timeout_ms: float | None = 0 if busy else None
-        if not busy and self._stall is not None and self._coordinator is not None:
+    def _pass(self) -> bool:
+        """One pass of the loop (the caller holds ``_drive``); returns whether it did any work."""
+        self._apply_timeline_request()
+        self._read_control()
+        new = self.queue.drain()
+        worked = bool(new or self._responses)
+        if new and self._config.cycle_time_ms > 0:
+            time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
+            new += self.queue.drain()
+        if new:
+            self._announce(new)
+        if self._coordinator is not None:
+            self._distribute(self._coordinator.take())
+        if self._timeline is not None and (new or self._responses):
+            self._timeline.cycle()
+        while self._responses:
+            self._executor.run(self._responses.popleft())
+        if self._stall is not None and self._coordinator is not None:
+            self._stall.check(self._coordinator)
+        return worked
+
+    def _park(self) -> list[tuple[int, int]]:
+        """Sleeps on the wake-up socket alone, at most ``PARK_SECONDS`` (see there)."""
+        self._parked = True
+        events = [] if self.queue.has_new() else self._park_poller.poll(PARK_SECONDS * 1000.0)
+        self._parked = False
+        return events
+
+    def _busy(self) -> bool:
+        """True when a pass has work without waiting (a racy read: fine for choosing a timeout)."""
+        return bool(self._responses) or any(link.frames or link.closed_by_peer for link in self._links.values())
+
+    def _new_poller(self) -> tuple[select.poll, set[int]]:
+        """A poll set of the wake-up socket and the open control links, for a caller."""
+        poller = select.poll()
+        fds = set(self._by_fd)
+        for fd in (self._wake_r.fileno(), *fds):
+            poller.register(fd, select.POLLIN)
+        return poller, fds
+
+    def _poll(self, poller: select.poll, caller: bool) -> list[tuple[int, int]]:
+        """Waits for a wake-up, a control frame, a submit, or a timeout; reads nothing.
+
+        Spins briefly first where a reply is likely soon: a caller always (it waits for a
+        result), the engine thread just after it did work. A job of one rank has no peer
+        to hear from, so nothing to spin for.
+        """
+        busy = self._busy()
+        events = poller.poll(0)
+        if events or busy:
+            return events
+        timeout_ms = self._sleep_timeout_ms(caller)
+        since = time.perf_counter() if caller else self._last_work
+        spin_until = since + (SPIN_AFTER_WORK if self._links else 0.0)
+        while not events and not self.queue.has_new() and time.perf_counter() < spin_until:
+            events = poller.poll(0)
+        if events or self.queue.has_new():
+            return events
+        # Invariant: the flag is set before the last look at the queue, and a submit
+        # adds before it reads the flag, so a submit either is seen here or writes a
+        # wake-up byte.
+        if caller:
+            self._caller_sleeping = True
+        else:
+            self._sleeping = True
+        if not self.queue.has_new():
+            events = poller.poll(timeout_ms)
+        if caller:
+            self._caller_sleeping = False
+        else:
+            self._sleeping = False
+        return events
+
+    def _sleep_timeout_ms(self, caller: bool) -> float | None:
+        """How long a wait may block: until the next stall check or lingering notice."""
+        timeout_ms: float | None = None
+        if self._stall is not None and self._coordinator is not None:
             seconds = self._stall.seconds_to_next_check(self._coordinator)
             timeout_ms = None if seconds is None else seconds * 1000.0
-        if not busy and self._leaving_since is not None and not self._lingering_noted:
-            notice = self._leaving_since + LINGER_NOTICE - time.monotonic()
-            if notice > 0:
-                timeout_ms = notice * 1000.0 if timeout_ms is None else min(timeout_ms, notice * 1000.0)
-            else:
-                self._lingering_noted = True
-                waiting = ", ".join(map(str, sorted(self._links)))
-                log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
-        events = self._poller.poll(0)
-        if not events and timeout_ms != 0 and self._timeline is not None:
-            self._timeline.flush()  # about to idle: the file on disk is complete
-        if not events and timeout_ms != 0:
-            # A job of one rank has no peer to hear from: nothing to spin for.
-            spin_until = self._last_work + (SPIN_AFTER_WORK if self._links else 0.0)
-            while not events and not self.queue.has_new() and time.perf_counter() < spin_until:
-                events = self._poller.poll(0)
-            if not events and not self.queue.has_new():
-                # Invariant: the flag is set before the last look at the queue, and a
-                # submit adds before it reads the flag, so a submit either is seen here
-                # or writes a wake-up byte.
-                self._sleeping = True
-                if not self.queue.has_new():
-                    events = self._poller.poll(timeout_ms)
-                self._sleeping = False
-        if events:
-            self._last_work = time.perf_counter()
+        if not caller and self._leaving_since is not None and not self._lingering_noted:
+            notice = max(0.0, self._leaving_since + LINGER_NOTICE - time.monotonic()) * 1000.0
+            timeout_ms = notice if timeout_ms is None else min(timeout_ms, notice)
+        return timeout_ms
+
+    def _note_lingering(self) -> None:
+        """On rank 0, says once whom it still waits for, long after its own shutdown()."""
+        if self._leaving_since is None or self._lingering_noted or not self._links:
+            return
+        if time.monotonic() - self._leaving_since >= LINGER_NOTICE:
+            self._lingering_noted = True
+            waiting = ", ".join(map(str, sorted(self._links)))
+            log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
+
+    def _absorb(self, events: list[tuple[int, int]], poller: select.poll) -> None:
+        """Reads what ``_poll`` found ready (the caller holds ``_drive``).
+
+        Another thread may have read it first: reads never block, so a stale event
+        costs a failed read.
+        """
         for fd, _ in events:
             if fd == self._wake_r.fileno():
                 self._drain_wake()
@@ -298,8 +455,16 @@ class Engine:
             if link is not None:
                 link.pump()
                 if link.closed_by_peer:
-                    self._poller.unregister(fd)
-                    del self._by_fd[fd]
+                    self._forget_fd(fd, poller)
+
+    def _forget_fd(self, fd: int, poller: select.poll) -> None:
+        """Stops polling a link's socket (its peer hung up: it would be ready forever)."""
+        self._by_fd.pop(fd, None)
+        for each in {id(poller): poller, id(self._poller): self._poller}.values():
+            try:
+                each.unregister(fd)
+            except (KeyError, ValueError):
+                pass  # not registered there
 
     def _drain_wake(self) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+from collections.abc import Callable
 from typing import Any
 
 
@@ -14,14 +15,21 @@ class Handle:
     of threads may wait. A raw lock costs a fraction of ``threading.Event``, whose
     condition variable is pure Python; the handle is on every collective's path.
 
+    Args:
+        name: the tensor's name, for messages.
+        drive: called by an untimed ``wait`` before it blocks: runs the engine on the
+            waiting thread until the handle completes, or returns early to let it block
+            (``Engine.drive``).
+
     Attributes:
         name: the tensor's name, for messages.
     """
 
-    __slots__ = ("_done", "_error", "_latch", "_result", "name")
+    __slots__ = ("_done", "_drive", "_error", "_latch", "_result", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
+        self._drive = drive
         self._latch = _thread.allocate_lock()
         self._latch.acquire()
         self._done = False
@@ -39,6 +47,8 @@ class Handle:
             TimeoutError: ``timeout`` passed first.
             Exception: the error the collective failed with.
         """
+        if not self._done and timeout is None and self._drive is not None:
+            self._drive(self)
         if not self._done:
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"'{self.name}' did not finish within {timeout} s")

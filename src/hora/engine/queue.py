@@ -59,15 +59,14 @@ DUPLICATE_NAME = (
 class TensorQueue:
     """Entries in flight, shared between user threads and the engine thread."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[int, str], Entry] = {}
         self._new: list[Entry] = []
         self._closed: Callable[[Entry], BaseException] | None = None
-        self._wake = wake
 
     def add_many(self, entries: list[Entry]) -> None:
-        """Queues entries, all or none, and wakes the engine once.
+        """Queues entries, all or none (the engine learns of them from ``has_new``/``drain``).
 
         Raises:
             ValueError: an entry's name is in flight in its set already (or twice among
@@ -85,7 +84,6 @@ class TensorQueue:
             for entry in entries:
                 self._entries[entry.key] = entry
             self._new.extend(entries)
-        self._wake()
 
     def seal(self, error_for: Callable[[Entry], BaseException]) -> None:
         """Refuses later ``add`` calls with ``error_for(entry)``; entries in flight stay."""

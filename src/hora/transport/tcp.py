@@ -223,7 +223,13 @@ class Link:
 
     def send_frame(self, kind: int, payload: bytes, watch: Watch | None = None) -> None:
         """Sends one control frame on the non-blocking socket, waiting as needed."""
-        exchange([(self, memoryview(encode_frame(kind, payload)))], [], watch)
+        frame = encode_frame(kind, payload)
+        try:
+            sent = self.sock.send(frame)  # a small frame almost always fits at once
+        except OSError:
+            sent = 0  # full, or failed: ``exchange`` waits, or reports the failure
+        if sent < len(frame):
+            exchange([(self, memoryview(frame)[sent:])], [], watch)
 
     def close(self) -> None:
         try:
