@@ -237,6 +237,51 @@ def test_a_waiting_rank_burns_no_cpu():
     assert cpu_seconds < 0.5, cpu_seconds
 
 
+def no_waiter_job(flags: str) -> dict:
+    import os
+    import time
+
+    import hora.numpy as hvd
+
+    n = 3
+    rest = hvd.ProcessSet(list(range(1, n)))
+    hvd.init(process_sets=[rest])
+    me = hvd.rank()
+    out: dict = {}
+    # A blocking collective ran on this thread just now, so the engine thread is parked;
+    # it must still complete what nobody waits for.
+    hvd.allreduce(np.ones(1), name="blocking")
+    handle = hvd.allreduce_async(np.full(3, me + 1.0), name="async", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not hvd.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["polled"] = hvd.poll(handle)
+    out["async"] = hvd.synchronize(handle).tolist()
+    hvd.allreduce(np.ones(1), name="blocking again")
+    if me == 0:
+        # Rank 0 makes no hora call until the others finished a collective that only its
+        # coordinator (its engine thread) can let them run.
+        deadline = time.monotonic() + 30
+        while len(os.listdir(flags)) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["served"] = sorted(os.listdir(flags))
+    else:
+        out["rest"] = hvd.allreduce(np.ones(2), name="without 0", op=hvd.Sum, process_set=rest).tolist()
+        open(os.path.join(flags, str(me)), "w").close()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_the_engine_thread_completes_what_no_thread_waits_for(tmp_path):
+    results = run_ranks(3, no_waiter_job, str(tmp_path))
+    for out in results:
+        assert out["polled"] is True
+        assert out["async"] == [6.0, 6.0, 6.0]
+    assert results[0]["served"] == ["1", "2"]
+    assert results[1]["rest"] == results[2]["rest"] == [2.0, 2.0]
+
+
 def shutdown_by_one_job(leaver: int) -> dict:
     import time
 
