@@ -17,7 +17,7 @@ Runtime knobs
     ``HORA_TRANSPORT`` (``builtin``: hora's shared memory and TCP; ``mpi``: collectives
     through mpi4py, for jobs started by mpirun),
     ``HORA_SHARED_MEMORY`` (1: ranks on one machine move data through shared memory),
-    ``HORA_SHM_STAGING_MB`` (2: each rank's shared staging buffer),
+    ``HORA_SHM_STAGING_MB`` (2, or 16 with more local ranks than cores: each rank's shared staging buffer),
     ``HORA_HIERARCHICAL_ALLREDUCE``, ``HORA_HIERARCHICAL_ALLGATHER`` (unset: chosen per
     process set; 1/0: force on/off),
     ``HORA_THREAD_AFFINITY`` (one CPU core per local rank for the engine thread),
@@ -280,7 +280,7 @@ class Config:
     timeline_mark_cycles: bool = False
     transport: str = "builtin"
     shared_memory: bool = True
-    shm_staging_bytes: int = 2 * 1024 * 1024
+    shm_staging_bytes: int | None = None  # None: chosen by the machine's ranks and cores
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -355,7 +355,11 @@ class Config:
             timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
             transport=env.choice("HORA_TRANSPORT", "BUILTIN", ("BUILTIN", "MPI")).lower(),
             shared_memory=env.flag("HORA_SHARED_MEMORY", True),
-            shm_staging_bytes=env.integer("HORA_SHM_STAGING_MB", 2, lo=1, hi=4096) * 1024 * 1024,
+            shm_staging_bytes=(
+                None
+                if env.raw("HORA_SHM_STAGING_MB") is None
+                else env.integer("HORA_SHM_STAGING_MB", 2, lo=1, hi=4096) * 1024 * 1024
+            ),
         )
         config.check_launch()
         return config

@@ -17,6 +17,7 @@ does not.
 
 from __future__ import annotations
 
+import os
 import logging
 
 import numpy as np
@@ -44,14 +45,26 @@ def _all_ok(mesh: Mesh, peers: list[int], ok: bool) -> bool:
     return ok and all(int(buffer[0]) == 1 for buffer in theirs.values())
 
 
-def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: int) -> shm.Domain | None:
+def default_staging_bytes(local_ranks: int, cores: int) -> int:
+    """Each rank's staging area when ``HORA_SHM_STAGING_MB`` is unset.
+
+    2 MiB while every local rank has a core: the pieces of a round are still in the
+    CPU's cache when the peers read them (a 256 MiB allreduce at 2 ranks took 21 ms,
+    against about 50 ms with 16 MiB). 16 MiB when ranks outnumber cores: they take turns
+    on the cores, so every barrier costs context switches, and fewer, larger rounds win.
+    """
+    return (2 if local_ranks <= cores else 16) * 1024 * 1024
+
+
+def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: int | None) -> shm.Domain | None:
     """Maps the shared segments of this machine's ranks.
 
     Args:
         mesh: the connected mesh (its data links carry the status bytes).
         secret: the job secret (segment names derive from it).
         generation: the job's initialization count.
-        staging_bytes: each rank's staging area (two halves).
+        staging_bytes: each rank's staging area (two halves); None for
+            ``default_staging_bytes`` (every local rank computes the same).
 
     Returns:
         The domain, or None when this rank has no local peers or shared memory is
@@ -62,6 +75,8 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
     if not peers:
         return None
     domain: shm.Domain | None = None
+    if staging_bytes is None:
+        staging_bytes = default_staging_bytes(len(ranks), os.cpu_count() or 1)
     half = max(4096, staging_bytes // 2 // 4096 * 4096)
     try:
         domain = shm.Domain(shm.job_key(secret), generation, ranks, mesh.rank, half) if shm.supported() else None
