@@ -4,7 +4,7 @@ Nothing is imported to find out: a framework counts as available when its packag
 installed (``importlib.metadata``) and importable (``importlib.util.find_spec``), so the
 report takes a fraction of a second even with TensorFlow installed. Example::
 
-    hora v0.1.0 (Python 3.11.7, /work/.venv/bin/python)
+    hora v0.1.0 (Python 3.11.7, /srv/project/.venv/bin/python)
 
     Available Frameworks:
         [X] NumPy 1.26.4 (hora.numpy)
