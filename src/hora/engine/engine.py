@@ -331,22 +331,35 @@ class Engine:
             else:
                 events = self._poll(self._poller, caller=False)
             with self._drive:
-                if self._caller_error is not None:
-                    error, self._caller_error = self._caller_error, None
-                    raise error
-                self._absorb(events, self._poller)
-                self._note_lingering()
-                if self._stop_requested and self._leaving_since is None:
-                    self._begin_leaving()
-                    if self._coordinator is None:
-                        self._leave()
-                        return
-                if self._pass():
-                    self._last_work = time.perf_counter()
-                elif self._timeline is not None:
-                    self._timeline.flush()  # about to idle: the file on disk is complete
-                if self._leaving_since is not None and not self._links and not self._responses:
-                    return  # rank 0: every worker has left
+                # Invariant: _finished is set before the lock is let go for the last time,
+                # so no caller drives an engine that is ending (it would read, and lose, the
+                # frames that end it, and wait for ever holding the lock).
+                ending = True
+                try:
+                    ending = self._engine_pass(events)
+                finally:
+                    self._finished = ending
+                if ending:
+                    return
+
+    def _engine_pass(self, events: list[tuple[int, int]]) -> bool:
+        """The engine thread's pass (holding ``_drive``); returns True when the engine is done."""
+        if self._caller_error is not None:
+            error, self._caller_error = self._caller_error, None
+            raise error
+        self._absorb(events, self._poller)
+        self._note_lingering()
+        if self._stop_requested and self._leaving_since is None:
+            self._begin_leaving()
+            if self._coordinator is None:
+                self._leave()
+                return True
+        if self._pass():
+            self._last_work = time.perf_counter()
+        elif self._timeline is not None:
+            self._timeline.flush()  # about to idle: the file on disk is complete
+        # Rank 0 is done once it has left and every worker has left too.
+        return self._leaving_since is not None and not self._links and not self._responses
 
     def _pass(self) -> bool:
         """One pass of the loop (the caller holds ``_drive``); returns whether it did any work."""
