@@ -215,3 +215,17 @@ def test_rank_cache_sends_ids_only_for_unchanged_requests():
     assert cache.lookup(req(0, "a", process_set_id=1)) is None
     cache.learn(req(0, "b"), -1)
     assert cache.lookup(req(0, "b")) is None
+
+
+def test_a_cached_response_is_an_independent_copy_of_every_field():
+    from hora.engine.cache import CoordinatorCache
+
+    cache = CoordinatorCache(4)
+    template = Response(ResponseType.ALLREDUCE, ["a"], 2, F32, AVERAGE, 3, 0.5, 2.0, [4], "", [0])
+    cache_id = cache.record((2, "a"), [req(0, "a", process_set_id=2)], template)
+    first = cache.response(cache_id)
+    assert first == template and first is not template
+    first.names.append("b")
+    first.sizes.append(1)
+    first.cache_ids.append(1)
+    assert cache.response(cache_id) == template  # fusion extends copies, never the template

@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 from hora.engine.messages import Request, RequestType, Response
@@ -99,12 +98,13 @@ class CoordinatorCache:
 
     def response(self, cache_id: int) -> Response:
         """A fresh copy of the validated response for the id."""
-        template = self._by_id[cache_id].response
-        assert template is not None  # invariant: an id exists only once a response validated
-        response = copy.copy(template)
-        response.names = list(template.names)
-        response.sizes = list(template.sizes)
-        return response
+        t = self._by_id[cache_id].response
+        assert t is not None  # invariant: an id exists only once a response validated
+        # Built field by field: several times cheaper than copy.copy, on every cached step.
+        return Response(
+            t.type, list(t.names), t.process_set_id, t.dtype, t.reduce_op, t.root_rank,
+            t.prescale, t.postscale, list(t.sizes), t.error, list(t.cache_ids),
+        )  # fmt: skip
 
     def record(self, key: tuple[int, str], requests: list[Request], response: Response) -> int:
         """Stores a successful negotiation; returns the tensor's id, or -1 when not cached.

@@ -154,6 +154,8 @@ class Engine:
         self._driving = False  # set while a caller holds _drive (see drive)
         self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
         self._parked = False  # set while the engine thread sleeps on the wake-up socket alone
+        self._caller_poller: select.poll | None = None  # see _callers_poller
+        self._caller_fds: set[int] = set()
         self._park_poller = select.poll()
         self._park_poller.register(self._wake_r.fileno(), select.POLLIN)
         self._last_work = 0.0  # perf_counter time the engine thread's loop last did something
@@ -216,13 +218,11 @@ class Engine:
             return
         with self._drive:
             self._driving = True
-            poller, fds = self._new_poller()
             try:
                 while not handle.done() and not self._finished and not self._stop_requested:
                     if self._caller_error is not None:
                         break
-                    if fds != self._by_fd.keys():  # a link closed
-                        poller, fds = self._new_poller()
+                    poller = self._callers_poller()
                     self._absorb(self._poll(poller, caller=True), poller)
                     self._pass()
             except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
@@ -393,13 +393,15 @@ class Engine:
         """True when a pass has work without waiting (a racy read: fine for choosing a timeout)."""
         return bool(self._responses) or any(link.frames or link.closed_by_peer for link in self._links.values())
 
-    def _new_poller(self) -> tuple[select.poll, set[int]]:
-        """A poll set of the wake-up socket and the open control links, for a caller."""
-        poller = select.poll()
-        fds = set(self._by_fd)
-        for fd in (self._wake_r.fileno(), *fds):
-            poller.register(fd, select.POLLIN)
-        return poller, fds
+    def _callers_poller(self) -> select.poll:
+        """The poll set callers use (one at a time, holding ``_drive``): the wake-up
+        socket and the open control links, rebuilt when a link has closed."""
+        if self._caller_poller is None or self._caller_fds != self._by_fd.keys():
+            self._caller_poller = select.poll()
+            self._caller_fds = set(self._by_fd)
+            for fd in (self._wake_r.fileno(), *self._caller_fds):
+                self._caller_poller.register(fd, select.POLLIN)
+        return self._caller_poller
 
     def _poll(self, poller: select.poll, caller: bool) -> list[tuple[int, int]]:
         """Waits for a wake-up, a control frame, a submit, or a timeout; reads nothing.

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from typing import TypeVar
 
 from hora.errors import ProtocolError
 from hora.transport.codec import Reader, Writer
+
+# Runs of fixed-size fields, each read or written at once (little-endian, unpadded); the
+# layout on the wire is that of the same fields written one by one.
+_RANK_TYPE = struct.Struct("<IB")  # Request: rank, type
+_SET_DTYPE = struct.Struct("<IB")  # Request: process set, dtype
+_OP_SCALES = struct.Struct("<Bqdd")  # Request: reduce op, root rank, prescale, postscale
+_RESPONSE_FIELDS = struct.Struct("<IBBqdd")  # Response: set, dtype, reduce op, root, prescale, postscale
 
 # Control frame kinds.
 REQUESTS = 1  # worker -> coordinator: RequestList
@@ -100,23 +108,29 @@ class Request:
         return f"{self.type.label} '{shown}'"
 
     def encode(self, writer: Writer) -> None:
-        writer.u32(self.rank).u8(self.type).string(self.name).u32(self.process_set_id).u8(self.dtype)
-        writer.i64s(self.shape).u8(self.reduce_op).i64(self.root_rank).f64(self.prescale).f64(self.postscale)
+        writer.fixed(_RANK_TYPE, self.rank, self.type).string(self.name)
+        writer.fixed(_SET_DTYPE, self.process_set_id, self.dtype).i64s(self.shape)
+        writer.fixed(_OP_SCALES, self.reduce_op, self.root_rank, self.prescale, self.postscale)
         writer.i64s(self.splits).string(self.group).u32(self.group_size)
 
     @classmethod
     def decode(cls, reader: Reader) -> Request:
+        rank, type_ = reader.fixed(_RANK_TYPE)
+        name = reader.string()
+        set_id, dtype = reader.fixed(_SET_DTYPE)
+        shape = tuple(reader.i64s())
+        reduce_op, root_rank, prescale, postscale = reader.fixed(_OP_SCALES)
         return cls(
-            rank=reader.u32(),
-            type=_enum(RequestType, reader.u8()),
-            name=reader.string(),
-            process_set_id=reader.u32(),
-            dtype=reader.u8(),
-            shape=tuple(reader.i64s()),
-            reduce_op=reader.u8(),
-            root_rank=reader.i64(),
-            prescale=reader.f64(),
-            postscale=reader.f64(),
+            rank=rank,
+            type=_enum(RequestType, type_),
+            name=name,
+            process_set_id=set_id,
+            dtype=dtype,
+            shape=shape,
+            reduce_op=reduce_op,
+            root_rank=root_rank,
+            prescale=prescale,
+            postscale=postscale,
             splits=tuple(reader.i64s()),
             group=reader.string(),
             group_size=reader.u32(),
@@ -160,22 +174,26 @@ class Response:
         writer.u8(self.type).u32(len(self.names))
         for name in self.names:
             writer.string(name)
-        writer.u32(self.process_set_id).u8(self.dtype).u8(self.reduce_op).i64(self.root_rank)
-        writer.f64(self.prescale).f64(self.postscale).i64s(self.sizes).string(self.error).i64s(self.cache_ids)
+        writer.fixed(
+            _RESPONSE_FIELDS,
+            self.process_set_id, self.dtype, self.reduce_op, self.root_rank, self.prescale, self.postscale,
+        )  # fmt: skip
+        writer.i64s(self.sizes).string(self.error).i64s(self.cache_ids)
 
     @classmethod
     def decode(cls, reader: Reader) -> Response:
         type_ = _enum(ResponseType, reader.u8())
         names = [reader.string() for _ in range(reader.count())]
+        set_id, dtype, reduce_op, root_rank, prescale, postscale = reader.fixed(_RESPONSE_FIELDS)
         return cls(
             type=type_,
             names=names,
-            process_set_id=reader.u32(),
-            dtype=reader.u8(),
-            reduce_op=reader.u8(),
-            root_rank=reader.i64(),
-            prescale=reader.f64(),
-            postscale=reader.f64(),
+            process_set_id=set_id,
+            dtype=dtype,
+            reduce_op=reduce_op,
+            root_rank=root_rank,
+            prescale=prescale,
+            postscale=postscale,
             sizes=reader.i64s(),
             error=reader.string(),
             cache_ids=reader.i64s(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 from hora.errors import ProtocolError
 
@@ -59,6 +60,11 @@ class Writer:
         self.buffer += struct.pack(f"<{len(values)}q", *values)
         return self
 
+    def fixed(self, layout: struct.Struct, *values: object) -> Writer:
+        """Appends several fixed-size fields at once (``layout`` little-endian, unpadded)."""
+        self.buffer += layout.pack(*values)
+        return self
+
     def bytes(self) -> bytes:
         return bytes(self.buffer)
 
@@ -89,6 +95,10 @@ class Reader:
 
     def f64(self) -> float:
         return float(_F64.unpack(self._take(8))[0])
+
+    def fixed(self, layout: struct.Struct) -> tuple[Any, ...]:
+        """Reads several fixed-size fields at once (``layout`` little-endian, unpadded)."""
+        return layout.unpack(self._take(layout.size))
 
     def blob(self) -> bytes:
         length = self.u32()
