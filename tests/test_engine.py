@@ -282,6 +282,36 @@ def test_the_engine_thread_completes_what_no_thread_waits_for(tmp_path):
     assert results[1]["rest"] == results[2]["rest"] == [2.0, 2.0]
 
 
+def crossing_waits_job() -> dict:
+    import threading
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    out: dict = {}
+    if hvd.rank() == 0:
+        # Thread "x" waits for a collective that rank 1 starts only after "z", which this
+        # rank's other thread submits only once its wait for "y" has returned. Waiting
+        # threads must not hold each other up: "y" is done long before "x".
+        handle = hvd.allreduce_async(np.ones(1), name="x", op=hvd.Sum)
+        waiter = threading.Thread(target=lambda: out.__setitem__("x", hvd.synchronize(handle).tolist()))
+        waiter.start()
+        out["y"] = hvd.allreduce(np.ones(1), name="y", op=hvd.Sum).tolist()
+        out["z"] = hvd.allreduce(np.ones(1), name="z", op=hvd.Sum).tolist()
+        waiter.join()
+    else:
+        for name in ("y", "z", "x"):
+            out[name] = hvd.allreduce(np.ones(1), name=name, op=hvd.Sum).tolist()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_threads_waiting_at_once_do_not_hold_each_other_up():
+    for out in run_ranks(2, crossing_waits_job, timeout=40):
+        assert out == {"x": [2.0], "y": [2.0], "z": [2.0]}
+
+
 def shutdown_by_one_job(leaver: int) -> dict:
     import time
 

@@ -152,6 +152,9 @@ class Engine:
         self._caller_error: BaseException | None = None  # raised by a caller's pass; the engine fails with it
         self._finished = False  # set under _drive once the engine has failed or closed
         self._driving = False  # set while a caller holds _drive (see drive)
+        # Threads in drive() blocked on their handle: while any is, the engine thread does
+        # not park, since no caller may come to complete their handles.
+        self._blocked: set[int] = set()
         self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
         self._parked = False  # set while the engine thread sleeps on the wake-up socket alone
         self._caller_poller: select.poll | None = None  # see _callers_poller
@@ -208,30 +211,49 @@ class Engine:
             self._wake()  # the engine thread executes, unless a waiting caller gets there first
 
     def drive(self, handle: Handle) -> None:
-        """Runs engine passes on the calling thread until ``handle`` completes.
+        """Waits until ``handle`` completes, running engine passes on this thread if it can.
 
-        Returns early, leaving the handle to the engine thread, when the engine has
-        finished or is stopping, when a pass fails (the engine thread then fails the job
-        with the error, completing the handle), or when called on the engine thread.
+        A thread drives only when no other thread runs a pass (it never waits for the
+        lock): otherwise, or once it stops driving early (the engine finished or is
+        stopping, or a pass failed and the engine thread fails the job with the error), it
+        blocks on the handle, which the thread in the pass or the engine thread completes.
+        Waiting for the lock could deadlock: the driver may wait for a collective that the
+        peers start only after this thread's next one. On the engine thread, returns.
         """
         if threading.current_thread() is self._thread:
             return
-        with self._drive:
-            self._driving = True
-            try:
-                while not handle.done() and not self._finished and not self._stop_requested:
-                    if self._caller_error is not None:
-                        break
-                    poller = self._callers_poller()
-                    self._absorb(self._poll(poller, caller=True), poller)
-                    self._pass()
-            except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
-                self._caller_error = exc
-            leftover = self._caller_error is not None or self._busy() or self.queue.has_new()
-            self._caller_left = time.perf_counter()
-            self._driving = False
-        if leftover:
-            self._wake()
+        me = threading.get_ident()
+        # Registered before trying the lock, so a driver that is leaving sees this thread.
+        self._blocked.add(me)
+        try:
+            if self._drive.acquire(blocking=False):
+                self._blocked.discard(me)
+                try:
+                    leftover = self._drive_until(handle)
+                finally:
+                    self._drive.release()
+                self._blocked.add(me)
+                if leftover or len(self._blocked) > 1:
+                    self._wake()  # the engine thread takes over what this thread leaves
+            handle.block()
+        finally:
+            self._blocked.discard(me)
+
+    def _drive_until(self, handle: Handle) -> bool:
+        """``drive``'s passes (holding ``_drive``); returns whether work is left for the engine thread."""
+        self._driving = True
+        try:
+            while not handle.done() and not self._finished and not self._stop_requested:
+                if self._caller_error is not None:
+                    break
+                poller = self._callers_poller()
+                self._absorb(self._poll(poller, caller=True), poller)
+                self._pass()
+        except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
+            self._caller_error = exc
+        self._caller_left = time.perf_counter()
+        self._driving = False
+        return self._caller_error is not None or self._busy() or self.queue.has_new()
 
     def stop(self) -> None:
         """Makes this rank leave the job and waits until its engine has finished.
@@ -326,7 +348,8 @@ class Engine:
     def _loop(self) -> None:
         """The engine thread: waits without the lock, then runs a pass holding it."""
         while True:
-            if self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS:
+            recent = self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS
+            if recent and not self._blocked:
                 events = self._park()
             else:
                 events = self._poll(self._poller, caller=False)

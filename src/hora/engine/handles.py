@@ -17,9 +17,8 @@ class Handle:
 
     Args:
         name: the tensor's name, for messages.
-        drive: called by an untimed ``wait`` before it blocks: runs the engine on the
-            waiting thread until the handle completes, or returns early to let it block
-            (``Engine.drive``).
+        drive: called by an untimed ``wait``: waits until the handle completes, running
+            the engine on the waiting thread when it can (``Engine.drive``).
 
     Attributes:
         name: the tensor's name, for messages.
@@ -48,7 +47,7 @@ class Handle:
             Exception: the error the collective failed with.
         """
         if not self._done and timeout is None and self._drive is not None:
-            self._drive(self)
+            self._drive(self)  # returns once the handle is done
         if not self._done:
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"'{self.name}' did not finish within {timeout} s")
@@ -56,6 +55,12 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def block(self) -> None:
+        """Blocks until the collective finishes, without driving the engine."""
+        if not self._done:
+            self._latch.acquire()
+            self._latch.release()
 
     def complete(self, result: Any) -> None:
         if not self._done:
