@@ -39,6 +39,7 @@ has left.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import select
@@ -46,13 +47,14 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import Any
 
 from hora.config import Config
 from hora.engine import messages
 from hora.engine.algorithms import Collectives, HierarchicalCollectives, SharedCollectives, TcpCollectives
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
-from hora.engine.handles import Handle
+from hora.engine.handles import Handle, ring
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
 from hora.engine.mpi_collectives import MpiWorld
@@ -152,9 +154,9 @@ class Engine:
         self._caller_error: BaseException | None = None  # raised by a caller's pass; the engine fails with it
         self._finished = False  # set under _drive once the engine has failed or closed
         self._driving = False  # set while a caller holds _drive (see drive)
-        # Threads in drive() blocked on their handle: while any is, the engine thread does
-        # not park, since no caller may come to complete their handles.
-        self._blocked: set[int] = set()
+        # Threads in drive() waiting for _drive to come free, by thread id: each sleeps on a
+        # held raw lock ("bell") that whoever lets go of _drive releases.
+        self._bells: dict[int, Any] = {}
         self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
         self._parked = False  # set while the engine thread sleeps on the wake-up socket alone
         self._caller_poller: select.poll | None = None  # see _callers_poller
@@ -206,7 +208,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
             self._caller_error = exc
         finally:
-            self._drive.release()
+            self._let_go()
         if self._responses or self._caller_error is not None:
             self._wake()  # the engine thread executes, unless a waiting caller gets there first
 
@@ -223,21 +225,40 @@ class Engine:
         if threading.current_thread() is self._thread:
             return
         me = threading.get_ident()
-        # Registered before trying the lock, so a driver that is leaving sees this thread.
-        self._blocked.add(me)
-        try:
+        while not handle.done():
             if self._drive.acquire(blocking=False):
-                self._blocked.discard(me)
                 try:
                     leftover = self._drive_until(handle)
                 finally:
-                    self._drive.release()
-                self._blocked.add(me)
-                if leftover or len(self._blocked) > 1:
+                    self._let_go()
+                if leftover:
                     self._wake()  # the engine thread takes over what this thread leaves
-            handle.block()
-        finally:
-            self._blocked.discard(me)
+                if not handle.done():  # stopped early: the engine thread completes it
+                    handle.block()
+                return
+            # Another thread is in a pass: sleep until it lets go of the lock or the handle
+            # completes, whichever comes first (a bell both ring), then look again.
+            bell = _thread.allocate_lock()
+            bell.acquire()
+            self._bells[me] = bell
+            handle.set_bell(bell)
+            try:
+                if not self._drive.acquire(blocking=False):
+                    bell.acquire()  # rung by the holder letting go, or by completion
+                else:
+                    self._drive.release()  # free after all: loop round and drive
+            finally:
+                handle.set_bell(None)
+                del self._bells[me]
+
+    def _let_go(self) -> None:
+        """Releases ``_drive`` and wakes every thread waiting in ``drive`` to try again."""
+        self._drive.release()
+        self._ring_bells()
+
+    def _ring_bells(self) -> None:
+        for bell in list(self._bells.values()):
+            ring(bell)
 
     def _drive_until(self, handle: Handle) -> bool:
         """``drive``'s passes (holding ``_drive``); returns whether work is left for the engine thread."""
@@ -311,10 +332,12 @@ class Engine:
             with self._drive:
                 self._finished = True
                 self._fail(self._reason(exc))
+            self._ring_bells()
         finally:
             with self._drive:
                 self._finished = True
                 self._close()
+            self._ring_bells()
 
     def _reason(self, exc: BaseException) -> str:
         """What every pending operation fails with, for an exception that ended the engine."""
@@ -348,8 +371,7 @@ class Engine:
     def _loop(self) -> None:
         """The engine thread: waits without the lock, then runs a pass holding it."""
         while True:
-            recent = self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS
-            if recent and not self._blocked:
+            if self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS:
                 events = self._park()
             else:
                 events = self._poll(self._poller, caller=False)
@@ -362,8 +384,9 @@ class Engine:
                     ending = self._engine_pass(events)
                 finally:
                     self._finished = ending
-                if ending:
-                    return
+            self._ring_bells()
+            if ending:
+                return
 
     def _engine_pass(self, events: list[tuple[int, int]]) -> bool:
         """The engine thread's pass (holding ``_drive``); returns True when the engine is done."""

@@ -24,12 +24,13 @@ class Handle:
         name: the tensor's name, for messages.
     """
 
-    __slots__ = ("_done", "_drive", "_error", "_latch", "_result", "name")
+    __slots__ = ("_bell", "_done", "_drive", "_error", "_latch", "_result", "name")
 
     def __init__(self, name: str, drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
         self._drive = drive
         self._latch = _thread.allocate_lock()
+        self._bell: Any = None  # a held raw lock that completion also releases (Engine.drive)
         self._latch.acquire()
         self._done = False
         self._result: Any = None
@@ -76,3 +77,19 @@ class Handle:
         # Invariant: the result is stored before ``_done`` is set and the latch opens.
         self._done = True
         self._latch.release()
+        ring(self._bell)
+
+    def set_bell(self, bell: Any) -> None:
+        """Also releases ``bell`` (a held raw lock) on completion, or now if already done."""
+        self._bell = bell
+        if self._done:
+            ring(bell)
+
+
+def ring(bell: Any) -> None:
+    """Releases a held raw lock used as a one-shot signal; a second ring does nothing."""
+    if bell is not None:
+        try:
+            bell.release()
+        except RuntimeError:
+            pass  # already rung
