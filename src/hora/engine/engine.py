@@ -215,12 +215,17 @@ class Engine:
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
 
-        A thread drives only when no other thread runs a pass (it never waits for the
-        lock): otherwise, or once it stops driving early (the engine finished or is
-        stopping, or a pass failed and the engine thread fails the job with the error), it
-        blocks on the handle, which the thread in the pass or the engine thread completes.
-        Waiting for the lock could deadlock: the driver may wait for a collective that the
-        peers start only after this thread's next one. On the engine thread, returns.
+        While another thread runs a pass, this one sleeps until that thread lets go of the
+        lock or the handle completes, whichever comes first, and then looks again: waiting
+        for the lock alone could deadlock, since the driver may wait for a collective that
+        the peers start only after this thread's next one. Once it stops driving early
+        (the engine finished or is stopping, or a pass failed and the engine thread fails
+        the job with the error), it blocks on the handle, which the engine thread completes.
+        On the engine thread, returns at once.
+
+        Invariant: a thread sleeps on its bell only after registering it and then failing
+        to take the lock, and every release of the lock rings every registered bell, so no
+        thread sleeps while the lock is free and its handle unfinished.
         """
         if threading.current_thread() is self._thread:
             return
@@ -246,7 +251,7 @@ class Engine:
                 if not self._drive.acquire(blocking=False):
                     bell.acquire()  # rung by the holder letting go, or by completion
                 else:
-                    self._drive.release()  # free after all: loop round and drive
+                    self._let_go()  # free after all: loop round and drive (others look again too)
             finally:
                 handle.set_bell(None)
                 del self._bells[me]
