@@ -172,6 +172,10 @@ class _Reader:
         """A flag that is None when unset, so the code can choose for itself."""
         return None if self.raw(name) is None else self.flag(name)
 
+    def optional_integer(self, name: str, lo: int = 0, hi: int | None = None) -> int | None:
+        """An integer that is None when unset, so the code can choose for itself."""
+        return None if self.raw(name) is None else self.integer(name, lo, lo, hi)
+
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         def parse(text: str) -> str:
             upper = text.upper()
@@ -325,6 +329,7 @@ class Config:
             and launch.size > 1
             and (secret is None or rendezvous_addr is None or rendezvous_port is None)
         )
+        staging_mb = env.optional_integer("HORA_SHM_STAGING_MB", lo=1, hi=4096)  # None: chosen per machine
         config = cls(
             topology=topology,
             launcher=launcher,
@@ -355,11 +360,7 @@ class Config:
             timeline_mark_cycles=env.flag("HORA_TIMELINE_MARK_CYCLES"),
             transport=env.choice("HORA_TRANSPORT", "BUILTIN", ("BUILTIN", "MPI")).lower(),
             shared_memory=env.flag("HORA_SHARED_MEMORY", True),
-            shm_staging_bytes=(
-                None
-                if env.raw("HORA_SHM_STAGING_MB") is None
-                else env.integer("HORA_SHM_STAGING_MB", 2, lo=1, hi=4096) * 1024 * 1024
-            ),
+            shm_staging_bytes=None if staging_mb is None else staging_mb * 1024 * 1024,
         )
         config.check_launch()
         return config

@@ -47,7 +47,6 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from hora.config import Config
 from hora.engine import messages
@@ -156,9 +155,8 @@ class Engine:
         self._driving = False  # set while a caller holds _drive (see drive)
         # Threads in drive() waiting for _drive to come free, by thread id: each sleeps on a
         # held raw lock ("bell") that whoever lets go of _drive releases.
-        self._bells: dict[int, Any] = {}
+        self._bells: dict[int, _thread.LockType] = {}
         self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
-        self._parked = False  # set while the engine thread sleeps on the wake-up socket alone
         self._caller_poller: select.poll | None = None  # see _callers_poller
         self._caller_fds: set[int] = set()
         self._park_poller = select.poll()
@@ -262,8 +260,9 @@ class Engine:
         self._ring_bells()
 
     def _ring_bells(self) -> None:
-        for bell in list(self._bells.values()):
-            ring(bell)
+        if self._bells:  # on every pass of the engine thread: usually empty
+            for bell in list(self._bells.values()):
+                ring(bell)
 
     def _drive_until(self, handle: Handle) -> bool:
         """``drive``'s passes (holding ``_drive``); returns whether work is left for the engine thread."""
@@ -273,7 +272,7 @@ class Engine:
                 if self._caller_error is not None:
                     break
                 poller = self._callers_poller()
-                self._absorb(self._poll(poller, caller=True), poller)
+                self._absorb(self._poll(poller, caller=True))
                 self._pass()
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
             self._caller_error = exc
@@ -398,7 +397,7 @@ class Engine:
         if self._caller_error is not None:
             error, self._caller_error = self._caller_error, None
             raise error
-        self._absorb(events, self._poller)
+        self._absorb(events)
         self._note_lingering()
         if self._stop_requested and self._leaving_since is None:
             self._begin_leaving()
@@ -435,10 +434,7 @@ class Engine:
 
     def _park(self) -> list[tuple[int, int]]:
         """Sleeps on the wake-up socket alone, at most ``PARK_SECONDS`` (see there)."""
-        self._parked = True
-        events = [] if self.queue.has_new() else self._park_poller.poll(PARK_SECONDS * 1000.0)
-        self._parked = False
-        return events
+        return [] if self.queue.has_new() else self._park_poller.poll(PARK_SECONDS * 1000.0)
 
     def _busy(self) -> bool:
         """True when a pass has work without waiting (a racy read: fine for choosing a timeout)."""
@@ -507,7 +503,7 @@ class Engine:
             waiting = ", ".join(map(str, sorted(self._links)))
             log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
 
-    def _absorb(self, events: list[tuple[int, int]], poller: select.poll) -> None:
+    def _absorb(self, events: list[tuple[int, int]]) -> None:
         """Reads what ``_poll`` found ready (the caller holds ``_drive``).
 
         Another thread may have read it first: reads never block, so a stale event
@@ -521,16 +517,10 @@ class Engine:
             if link is not None:
                 link.pump()
                 if link.closed_by_peer:
-                    self._forget_fd(fd, poller)
-
-    def _forget_fd(self, fd: int, poller: select.poll) -> None:
-        """Stops polling a link's socket (its peer hung up: it would be ready forever)."""
-        self._by_fd.pop(fd, None)
-        for each in {id(poller): poller, id(self._poller): self._poller}.values():
-            try:
-                each.unregister(fd)
-            except (KeyError, ValueError):
-                pass  # not registered there
+                    # Its peer hung up: the socket would be ready for ever. Callers'
+                    # poll set is rebuilt from _by_fd (_callers_poller).
+                    del self._by_fd[fd]
+                    self._poller.unregister(fd)
 
     def _drain_wake(self) -> None:
         try:

@@ -30,7 +30,7 @@ class Handle:
         self.name = name
         self._drive = drive
         self._latch = _thread.allocate_lock()
-        self._bell: Any = None  # a held raw lock that completion also releases (Engine.drive)
+        self._bell: _thread.LockType | None = None  # a held raw lock that completion also releases (Engine.drive)
         self._latch.acquire()
         self._done = False
         self._result: Any = None
@@ -79,14 +79,14 @@ class Handle:
         self._latch.release()
         ring(self._bell)
 
-    def set_bell(self, bell: Any) -> None:
+    def set_bell(self, bell: _thread.LockType | None) -> None:
         """Also releases ``bell`` (a held raw lock) on completion, or now if already done."""
         self._bell = bell
         if self._done:
             ring(bell)
 
 
-def ring(bell: Any) -> None:
+def ring(bell: _thread.LockType | None) -> None:
     """Releases a held raw lock used as a one-shot signal; a second ring does nothing."""
     if bell is not None:
         try:

@@ -17,8 +17,8 @@ does not.
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 
 import numpy as np
 
