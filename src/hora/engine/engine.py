@@ -53,6 +53,7 @@ from hora.engine import messages
 from hora.engine.algorithms import Collectives, HierarchicalCollectives, SharedCollectives, TcpCollectives
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
+from hora.engine.fast_lane import FastLane
 from hora.engine.handles import Handle, ring
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
@@ -131,10 +132,22 @@ class Engine:
         self._mpi = MpiWorld(self.rank, self.size) if config.transport == "mpi" else None
         self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         self._responses: deque[Response] = deque()
+        # Every rank on this machine, the cache on, the built-in transport: cached small
+        # allreduces may skip the coordinator (hora.engine.fast_lane).
+        self._lane = (
+            FastLane(domain, config)
+            if domain is not None
+            and self.size > 1
+            and domain.ranks == tuple(range(self.size))
+            and config.cache_capacity > 0
+            and self._mpi is None
+            else None
+        )
+        # The domain's wake-up socket: lane entries from peers arrive as wake-ups on it.
+        self._lane_fds = () if self._lane is None or domain is None else (domain.wake_fileno(),)
         self._poller = select.poll()
-        self._poller.register(self._wake_r.fileno(), select.POLLIN)
         self._by_fd = {link.fileno(): link for link in self._links.values()}
-        for fd in self._by_fd:
+        for fd in (self._wake_r.fileno(), *self._lane_fds, *self._by_fd):
             self._poller.register(fd, select.POLLIN)
         self._timeline: Timeline | None = None
         self._timeline_request: tuple[str | None, bool] | None = None
@@ -209,6 +222,8 @@ class Engine:
             self._let_go()
         if self._responses or self._caller_error is not None:
             self._wake()  # the engine thread executes, unless a waiting caller gets there first
+        elif self._lane is not None and self._lane.pending is not None:
+            self._wake_if_sleeping()  # it sleeps unwatched: it watches the lane once it looks again
 
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
@@ -278,7 +293,8 @@ class Engine:
             self._caller_error = exc
         self._caller_left = time.perf_counter()
         self._driving = False
-        return self._caller_error is not None or self._busy() or self.queue.has_new()
+        lane_waits = self._lane is not None and self._lane.pending is not None
+        return self._caller_error is not None or self._busy() or self.queue.has_new() or lane_waits
 
     def stop(self) -> None:
         """Makes this rank leave the job and waits until its engine has finished.
@@ -415,8 +431,9 @@ class Engine:
         """One pass of the loop (the caller holds ``_drive``); returns whether it did any work."""
         self._apply_timeline_request()
         self._read_control()
+        worked = self._settle_lane()
         new = self.queue.drain()
-        worked = bool(new or self._responses)
+        worked = worked or bool(new or self._responses)
         if new and self._config.cycle_time_ms > 0:
             time.sleep(self._config.cycle_time_ms / 1000.0)  # let more tensors join this batch
             new += self.queue.drain()
@@ -430,7 +447,33 @@ class Engine:
             self._executor.run(self._responses.popleft())
         if self._stall is not None and self._coordinator is not None:
             self._stall.check(self._coordinator)
+        if self._lane is not None:
+            self._lane.serve(self._lane_busy())
         return worked
+
+    def _settle_lane(self) -> bool:
+        """Completes this rank's lane proposal once settled, or sends it the coordinator's way."""
+        lane = self._lane
+        if lane is None or lane.pending is None:
+            return False
+        settled = lane.settle()
+        if settled is None:
+            return False
+        entry, succeeded = settled
+        if not succeeded:
+            self._announce([entry], lane=False)
+            return True
+        if self.queue.pop(entry.request.process_set_id, entry.request.name) is not None:
+            assert entry.output is not None  # invariant: FastLane.carries
+            entry.handle.complete(entry.output.reshape(entry.shape))
+        return True
+
+    def _lane_busy(self) -> bool:
+        """True while this rank has collectives on the coordinator's path (or rank 0 records a
+        timeline, which should show every collective): it then refuses lane proposals."""
+        lane = self._lane
+        on_lane = 1 if lane is not None and lane.pending is not None else 0
+        return len(self.queue) > on_lane or self._timeline is not None
 
     def _park(self) -> list[tuple[int, int]]:
         """Sleeps on the wake-up socket alone, at most ``PARK_SECONDS`` (see there)."""
@@ -438,7 +481,11 @@ class Engine:
 
     def _busy(self) -> bool:
         """True when a pass has work without waiting (a racy read: fine for choosing a timeout)."""
-        return bool(self._responses) or any(link.frames or link.closed_by_peer for link in self._links.values())
+        return (
+            bool(self._responses)
+            or any(link.frames or link.closed_by_peer for link in self._links.values())
+            or (self._lane is not None and self._lane.settled())
+        )
 
     def _callers_poller(self) -> select.poll:
         """The poll set callers use (one at a time, holding ``_drive``): the wake-up
@@ -446,7 +493,7 @@ class Engine:
         if self._caller_poller is None or self._caller_fds != self._by_fd.keys():
             self._caller_poller = select.poll()
             self._caller_fds = set(self._by_fd)
-            for fd in (self._wake_r.fileno(), *self._caller_fds):
+            for fd in (self._wake_r.fileno(), *self._lane_fds, *self._caller_fds):
                 self._caller_poller.register(fd, select.POLLIN)
         return self._caller_poller
 
@@ -457,6 +504,7 @@ class Engine:
         result), the engine thread just after it did work. A job of one rank has no peer
         to hear from, so nothing to spin for.
         """
+        lane = self._lane
         busy = self._busy()
         events = poller.poll(0)
         if events or busy:
@@ -465,18 +513,31 @@ class Engine:
         since = time.perf_counter() if caller else self._last_work
         spin_until = since + (SPIN_AFTER_WORK if self._links else 0.0)
         while not events and not self.queue.has_new() and time.perf_counter() < spin_until:
+            if lane is not None and lane.settled():
+                return events
             events = poller.poll(0)
         if events or self.queue.has_new():
             return events
         # Invariant: the flag is set before the last look at the queue, and a submit
         # adds before it reads the flag, so a submit either is seen here or writes a
-        # wake-up byte.
+        # wake-up byte. The lane's watch flag works alike for peers' entries, except
+        # that nothing orders it across processes: a lane wait sleeps at most until
+        # its next recheck.
         if caller:
             self._caller_sleeping = True
         else:
             self._sleeping = True
-        if not self.queue.has_new():
+        watching = lane is not None and lane.pending is not None
+        if watching:
+            assert lane is not None
+            lane.watch(caller, True)
+            recheck = lane.recheck_ms()
+            if recheck is not None:
+                timeout_ms = recheck if timeout_ms is None else min(timeout_ms, recheck)
+        if not self.queue.has_new() and not (watching and lane is not None and lane.settled()):
             events = poller.poll(timeout_ms)
+        if watching and lane is not None:
+            lane.watch(caller, False)
         if caller:
             self._caller_sleeping = False
         else:
@@ -512,6 +573,9 @@ class Engine:
         for fd, _ in events:
             if fd == self._wake_r.fileno():
                 self._drain_wake()
+                continue
+            if fd in self._lane_fds and self._domain is not None:
+                self._domain.drain_wake()
                 continue
             link = self._by_fd.get(fd)
             if link is not None:
@@ -571,8 +635,19 @@ class Engine:
         if link.closed_by_peer and link.peer not in self._farewells:
             raise _JobFailed(self._lost(link, link.close_detail))
 
-    def _announce(self, entries: list[Entry]) -> None:
-        """Tells the coordinator about new tensors: unchanged cached ones by id only."""
+    def _announce(self, entries: list[Entry], lane: bool = True) -> None:
+        """Tells the coordinator about new tensors: unchanged cached ones by id only.
+
+        A lone cached small allreduce, with nothing else of this rank's in flight, is
+        proposed on the fast lane instead (unless ``lane`` is False: it came back from
+        there), and the coordinator hears of it only if the lane fails it.
+        """
+        fast_lane = self._lane
+        if lane and fast_lane is not None and len(entries) == 1 and fast_lane.carries(entries[0]):
+            cache_id = self._executor.cache.lookup(entries[0].request)
+            idle = len(self.queue) == 1 and self._timeline is None  # this tensor is all it has in flight
+            if cache_id is not None and idle and fast_lane.propose(entries[0], cache_id):
+                return
         requests: list[messages.Request] = []
         cached: list[int] = []
         for entry in entries:
@@ -581,6 +656,8 @@ class Engine:
                 requests.append(entry.request)
             else:
                 cached.append(cache_id)
+        if fast_lane is not None and entries:
+            fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
         if self._coordinator is not None:
             for request in requests:
                 self._coordinator.submit(request)
@@ -685,6 +762,8 @@ class Engine:
     def _begin_leaving(self) -> None:
         """Refuses new work from this rank's threads; work already submitted goes on."""
         self._leaving_since = time.monotonic()
+        if self._lane is not None:
+            self._lane.leave()
         self.queue.seal(internal_error(f"hora has shut down on rank {self.rank}"))
         if self._coordinator is not None:
             self._announce(self.queue.drain())
@@ -760,6 +839,9 @@ class Engine:
         self._use_timeline(None)
         self._timeline_applied.set()  # a start_timeline racing with the end does not wait forever
         self.queue.close(internal_error(self.failure or f"hora has shut down on rank {self.rank}"))
+        if self._lane is not None:
+            self._lane.leave()
+            self._lane.close()
         if self._domain is not None:
             self._domain.close()
         if self._mesh is not None:

@@ -4,7 +4,9 @@ Each rank of a *domain* (the job's ranks on one machine) owns one segment: a fil
 ``/dev/shm`` mapped into every local rank's memory. A segment holds
 
 * a header: ``arrive[k]``, the number of barriers this rank has passed with domain
-  rank ``k``, and ``sleeping``, set while this rank blocks; and
+  rank ``k``, and ``sleeping``, set while this rank blocks;
+* the fast lane's area (``hora.engine.fast_lane``): a few flags and two small slots
+  through which cached small allreduces are negotiated and reduced; and
 * a staging area in two halves, through which collectives move data (double
   buffering: a collective alternates halves, so it never waits for readers of the
   half it is about to fill).
@@ -46,6 +48,10 @@ from hora.transport.tcp import Watch
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64 * 1024  # room for 8,000 local ranks' counters, page aligned
+LANE_META = 8  # int64 flags at the start of the fast lane's area
+LANE_SLOT_HEADER = 8  # int64 fields before each lane slot's data (64 bytes: data stays aligned)
+LANE_DATA_BYTES = 16 * 1024  # the largest tensor the fast lane carries
+LANE_BYTES = 9 * 4096  # 64 + 2 * (64 + 16 KiB) rounded up to pages: staging stays page aligned
 SPIN_SECONDS = 50e-6  # spin this long before blocking
 _SLEEP_MIN_MS = 1.0
 _SLEEP_MAX_MS = 100.0
@@ -102,8 +108,19 @@ class Segment:
 
     def stage(self, half: int, half_bytes: int) -> np.ndarray:
         """Returns one half of the staging area as bytes."""
-        offset = HEADER_BYTES + half * half_bytes
+        offset = HEADER_BYTES + LANE_BYTES + half * half_bytes
         return np.frombuffer(self.map, dtype=np.uint8, count=half_bytes, offset=offset)
+
+    def lane_meta(self) -> np.ndarray:
+        """The fast lane's flags (``LANE_META`` int64)."""
+        return np.frombuffer(self.map, dtype=np.int64, count=LANE_META, offset=HEADER_BYTES)
+
+    def lane_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """One of the fast lane's two slots: its int64 header fields and its data bytes."""
+        offset = HEADER_BYTES + 8 * LANE_META + slot * (8 * LANE_SLOT_HEADER + LANE_DATA_BYTES)
+        header = np.frombuffer(self.map, dtype=np.int64, count=LANE_SLOT_HEADER, offset=offset)
+        data = np.frombuffer(self.map, dtype=np.uint8, count=LANE_DATA_BYTES, offset=offset + 8 * LANE_SLOT_HEADER)
+        return header, data
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -136,7 +153,7 @@ class Domain:
         self.half_bytes = half_bytes
         self._key = key
         self._generation = generation
-        self._size = HEADER_BYTES + 2 * half_bytes
+        self._size = HEADER_BYTES + LANE_BYTES + 2 * half_bytes
         self.segments: dict[int, Segment] = {}
         self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._wake.setblocking(False)
@@ -166,6 +183,21 @@ class Domain:
         """The staging half ``half`` of ``rank``'s segment, as bytes."""
         return self.segments[rank].stage(half, self.half_bytes)
 
+    def lane(self, rank: int) -> tuple[np.ndarray, tuple[tuple[np.ndarray, np.ndarray], ...]]:
+        """``rank``'s fast-lane flags and its two slots (see ``Segment.lane_slot``)."""
+        segment = self.segments[rank]
+        return segment.lane_meta(), (segment.lane_slot(0), segment.lane_slot(1))
+
+    def wake_fileno(self) -> int:
+        """The socket wake-up bytes arrive on (readable: look again at the counters)."""
+        return self._wake.fileno()
+
+    def drain_wake(self) -> None:
+        """Reads every pending wake-up byte."""
+        with contextlib.suppress(OSError):
+            while True:
+                self._wake.recv(64)
+
     def barrier(self, peers: Sequence[int]) -> None:
         """Waits until every rank in ``peers`` (global ranks) has reached this barrier too.
 
@@ -180,11 +212,12 @@ class Domain:
             targets.append(int(self._arrived[k]))
         for k in indices:
             if self.segments[self.ranks[k]].counters[_SLEEPING]:
-                self._send_wake(self.ranks[k])
+                self.send_wake(self.ranks[k])
         pending = [(self.segments[self.ranks[k]].counters, target) for k, target in zip(indices, targets)]
         self._wait(lambda: all(counters[me] >= target for counters, target in pending))
 
-    def _send_wake(self, rank: int) -> None:
+    def send_wake(self, rank: int) -> None:
+        """Sends ``rank`` a wake-up byte (it then looks again at whatever it waits for)."""
         with contextlib.suppress(OSError):  # the peer's queue is full or it is gone: it re-checks anyway
             self._wake.sendto(b"\0", self._address(rank))
 
@@ -213,9 +246,7 @@ class Domain:
                 timeout = _SLEEP_MIN_MS if events else min(timeout * 2, _SLEEP_MAX_MS)
                 for fd, _ in events:
                     if fd == self._wake.fileno():
-                        with contextlib.suppress(OSError):
-                            while True:
-                                self._wake.recv(64)
+                        self.drain_wake()
                     elif watch is not None and fd in watch.links:
                         link = watch.links[fd]
                         if link.pump():

@@ -1,0 +1,305 @@
+"""The fast lane: cached small allreduces agreed and reduced through shared memory.
+
+When every rank of the job shares this machine, an allreduce of a tensor the response
+cache knows (same name and parameters as a negotiated one), small enough for a lane
+slot, skips the coordinator: each rank writes a *proposal* (the tensor's cache id and
+its data) into its own lane slot, and once every rank has written one for the same
+slot number, each sums every rank's data, in rank order, into its output. No control
+frame, no response, no executor, no barrier: one write and one wait. Anything the lane
+cannot settle falls back, on every rank alike, to the coordinator's path.
+
+Protocol. Entries are numbered. Every rank writes entries 1, 2, 3... in order, each
+either a proposal or a refusal ("no"), into slot ``seq % 2`` of its own segment (one
+writer per slot: no atomic operations; like the barriers this relies on x86-64's store
+order, and the fields go in before the number, so a reader that sees the number sees
+them). An entry's outcome is the same on every rank:
+
+* success when every rank proposed the same cache id and size;
+* failure as soon as one rank refused, two proposals differ, or a rank that wrote
+  nothing has left (shutdown); then each proposer's tensor goes the coordinator's way.
+
+Invariants:
+
+* A rank writes entry ``t`` only once every rank has written entry ``t - 1`` (a
+  proposer checks; a refusal answers an entry someone proposed, so the check was made),
+  and it settles ``t - 1`` (reading the data on success) before it writes ``t``. So
+  slot ``t % 2`` is rewritten only after every rank has finished with entry ``t - 2``.
+* A rank with collectives in flight on the coordinator's path is *busy* and refuses
+  every proposal it sees: the proposal may be for a tensor it sent the coordinator's
+  way, and neither path would then finish. A proposer wakes busy ranks (a wake-up byte
+  on the domain's socket) so they refuse promptly; it proposes only when no rank is busy
+  or gone. A rank that is not busy writes nothing until its own next allreduce: that one
+  either matches the proposal or, differing, fails it.
+* A rank that waits for entries sleeps with a *watch* flag set; whoever writes an entry
+  wakes the ranks whose flag is set. The flags and entries are read without fences, so a
+  wake-up can be missed: waits are bounded (``recheck_ms``), and every recheck also
+  wakes busy ranks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from hora.collectives.reduce import reducer, scale
+from hora.config import Config
+from hora.engine.coordinator import Stall
+from hora.engine.messages import RequestType
+from hora.engine.queue import Entry
+from hora.engine.stall import StalledError, stall_report
+from hora.transport.shm import LANE_DATA_BYTES, Domain
+
+log = logging.getLogger("hora")
+
+# Flags (the lane's int64 meta fields of each rank's segment).
+_WRITTEN = 0  # the number of the last entry this rank wrote
+_BUSY = 1  # 1 while this rank has collectives in flight on the coordinator's path
+_LEFT = 2  # 1 once this rank has shut down: it writes nothing more
+_WATCH_CALLER = 3  # 1 while a user thread of this rank sleeps waiting for entries
+_WATCH_ENGINE = 4  # 1 while the engine thread of this rank sleeps waiting for entries
+# A slot's header fields.
+_SEQ = 0  # the entry's number, written last
+_VERDICT = 1  # the proposed cache id, or _NO
+_NBYTES = 2  # the proposal's size in bytes
+_NO = -1
+
+_RECHECK_MIN_MS = 1.0
+_RECHECK_MAX_MS = 100.0
+
+
+class _Proposal:
+    """This rank's entry that awaits the others'."""
+
+    __slots__ = ("cache_id", "entry", "nbytes", "seq", "since")
+
+    def __init__(self, seq: int, entry: Entry, cache_id: int, nbytes: int) -> None:
+        self.seq = seq
+        self.entry = entry
+        self.cache_id = cache_id
+        self.nbytes = nbytes
+        self.since = time.monotonic()
+
+
+class FastLane:
+    """This rank's side of the fast lane. Used only by the thread holding the engine's lock.
+
+    Args:
+        domain: the shared memory of the job's ranks, which must be every rank of the job.
+        config: supplies the stall warning and shutdown times.
+    """
+
+    def __init__(self, domain: Domain, config: Config) -> None:
+        self._domain = domain
+        self._ranks = domain.ranks
+        self._me = domain.me
+        lanes = {rank: domain.lane(rank) for rank in domain.ranks}
+        self._flags = lanes[self._me][0]
+        self._slots = lanes[self._me][1]
+        self._peers = [rank for rank in domain.ranks if rank != self._me]
+        self._peer_flags = [lanes[rank][0] for rank in self._peers]
+        # By slot: each peer's header, and every rank's data in rank order.
+        self._peer_headers = [[lanes[rank][1][slot][0] for rank in self._peers] for slot in (0, 1)]
+        self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
+        self.pending: _Proposal | None = None
+        self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
+        self._recheck_ms = _RECHECK_MIN_MS
+        self._next_recheck = 0.0
+        self._warn_after = None if config.stall_check_disable else config.stall_check_time_seconds
+        shutdown = config.stall_shutdown_time_seconds
+        self._shutdown_after = shutdown if self._warn_after is not None and shutdown > self._warn_after else None
+        self._last_warning = float("-inf")
+
+    @staticmethod
+    def carries(entry: Entry) -> bool:
+        """True for a tensor the lane can take: a lone allreduce of the global set, small enough."""
+        request = entry.request
+        return (
+            request.type == RequestType.ALLREDUCE
+            and request.process_set_id == 0
+            and not request.group
+            and entry.input is not None
+            and entry.output is not None
+            and entry.input.nbytes <= LANE_DATA_BYTES
+        )
+
+    # ----- proposing -----
+
+    def propose(self, entry: Entry, cache_id: int) -> bool:
+        """Writes a proposal for ``entry`` (cached under ``cache_id``) if the lane is open.
+
+        Returns:
+            False when it is not (a proposal pending, a rank busy or gone, or a rank
+            still behind): nothing was written, and the tensor goes the coordinator's way.
+        """
+        if self.pending is not None:
+            return False
+        for flags in self._peer_flags:
+            if flags[_BUSY] or flags[_LEFT]:
+                return False
+        seq = self._catch_up()
+        for flags in self._peer_flags:
+            if flags[_WRITTEN] < seq - 1:
+                return False
+        assert entry.input is not None  # invariant: carries()
+        header, data = self._slots[seq % 2]
+        nbytes = entry.input.nbytes
+        view = data[:nbytes].view(entry.input.dtype)
+        view[...] = entry.input
+        scale(view, entry.request.prescale, entry.dtype)
+        header[_VERDICT] = cache_id
+        header[_NBYTES] = nbytes
+        self._publish(header, seq)
+        self.pending = _Proposal(seq, entry, cache_id, nbytes)
+        self._recheck_ms = _RECHECK_MIN_MS
+        self._next_recheck = time.perf_counter() + _RECHECK_MIN_MS / 1000.0
+        self._wake_busy()  # one may have turned busy since the check above
+        return True
+
+    def _catch_up(self) -> int:
+        """Refuses every entry already doomed by others' entries; returns the next entry's number."""
+        seq = int(self._flags[_WRITTEN]) + 1
+        while True:
+            verdicts = [int(h[_VERDICT]) for h in self._peer_headers[seq % 2] if h[_SEQ] == seq]
+            if not verdicts or (_NO not in verdicts and len(set(verdicts)) == 1):
+                return seq
+            self._refuse(seq)
+            seq += 1
+
+    def _refuse(self, seq: int) -> None:
+        header = self._slots[seq % 2][0]
+        header[_VERDICT] = _NO
+        header[_NBYTES] = 0
+        self._publish(header, seq)
+
+    def _publish(self, header: np.ndarray, seq: int) -> None:
+        """Numbers the entry (its fields are in place) and wakes the ranks that watch."""
+        header[_SEQ] = seq
+        self._flags[_WRITTEN] = seq
+        for rank, flags in zip(self._peers, self._peer_flags):
+            if flags[_WATCH_CALLER] or flags[_WATCH_ENGINE]:
+                self._domain.send_wake(rank)
+
+    # ----- settling -----
+
+    def settled(self) -> bool:
+        """True when the pending proposal's outcome is known (cheap: read while spinning)."""
+        proposal = self.pending
+        if proposal is None:
+            return False
+        seq = proposal.seq
+        for header, flags in zip(self._peer_headers[seq % 2], self._peer_flags):
+            if header[_SEQ] != seq:
+                if flags[_LEFT]:
+                    return True
+                continue
+            if header[_VERDICT] != proposal.cache_id or header[_NBYTES] != proposal.nbytes:
+                return True
+        return all(header[_SEQ] == seq for header in self._peer_headers[seq % 2])
+
+    def settle(self) -> tuple[Entry, bool] | None:
+        """Settles the pending proposal if every rank has answered it.
+
+        On success, writes the reduced tensor into the entry's output (the caller
+        completes its handle).
+
+        Returns:
+            None while it waits; otherwise the entry and whether it succeeded (when not,
+            it goes the coordinator's way).
+
+        Raises:
+            StalledError: it waited past the stall shutdown time.
+        """
+        proposal = self.pending
+        if proposal is None:
+            return None
+        if not self.settled():
+            self._recheck(proposal)
+            return None
+        self.pending = None
+        seq, entry = proposal.seq, proposal.entry
+        headers = self._peer_headers[seq % 2]
+        if not all(h[_SEQ] == seq and h[_VERDICT] == proposal.cache_id and h[_NBYTES] == proposal.nbytes for h in headers):
+            return entry, False
+        assert entry.output is not None and entry.input is not None  # invariant: carries()
+        # Every rank sums the same bytes in the same order: bit-identical results.
+        dtype, nbytes = entry.input.dtype, proposal.nbytes
+        data = self._data[seq % 2]
+        out = entry.output
+        out[...] = data[0][:nbytes].view(dtype)
+        reduce = reducer(entry.request.reduce_op, entry.dtype)
+        for contribution in data[1:]:
+            reduce(out, contribution[:nbytes].view(dtype))
+        scale(out, entry.request.postscale, entry.dtype)
+        self.succeeded += 1
+        return entry, True
+
+    def _recheck(self, proposal: _Proposal) -> None:
+        """Now and then while waiting: wakes busy ranks again, and reports a stall."""
+        now = time.perf_counter()
+        if now < self._next_recheck:
+            return
+        self._recheck_ms = min(self._recheck_ms * 2, _RECHECK_MAX_MS)
+        self._next_recheck = now + self._recheck_ms / 1000.0
+        self._wake_busy()
+        if self._warn_after is None:
+            return
+        waited = time.monotonic() - proposal.since
+        if waited < self._warn_after:
+            return
+        seq = proposal.seq
+        missing = [rank for rank, h in zip(self._peers, self._peer_headers[seq % 2]) if h[_SEQ] != seq]
+        stalls = [Stall(0, proposal.entry.request.name, waited, missing)]
+        if self._shutdown_after is not None and waited >= self._shutdown_after:
+            raise StalledError(
+                stall_report(stalls, self._warn_after)
+                + f"\nThese tensors stalled for longer than {self._shutdown_after:g} s; shutting the job down."
+            )
+        if time.monotonic() - self._last_warning >= self._warn_after:
+            self._last_warning = time.monotonic()
+            log.warning("%s", stall_report(stalls, self._warn_after))
+
+    def recheck_ms(self) -> float | None:
+        """How long a wait may sleep before the next recheck; None when nothing is pending."""
+        if self.pending is None:
+            return None
+        return max(0.0, (self._next_recheck - time.perf_counter()) * 1000.0)
+
+    def _wake_busy(self) -> None:
+        for rank, flags in zip(self._peers, self._peer_flags):
+            if flags[_BUSY]:
+                self._domain.send_wake(rank)
+
+    # ----- this rank's state -----
+
+    def serve(self, busy: bool) -> None:
+        """Publishes whether this rank is busy; a busy rank refuses every proposal it sees.
+
+        Call after ``settle`` (entries past a pending proposal cannot exist yet).
+        """
+        if bool(self._flags[_BUSY]) != busy:
+            self._flags[_BUSY] = int(busy)
+        if not busy or self.pending is not None:
+            return
+        seq = int(self._flags[_WRITTEN]) + 1
+        while any(h[_SEQ] == seq for h in self._peer_headers[seq % 2]):
+            self._refuse(seq)
+            seq += 1
+
+    def watch(self, caller: bool, on: bool) -> None:
+        """Sets or clears the flag that asks writers to wake this rank's sleeping thread."""
+        self._flags[_WATCH_CALLER if caller else _WATCH_ENGINE] = int(on)
+
+    def leave(self) -> None:
+        """Marks this rank gone: others stop proposing, and fail what waits for it."""
+        self._flags[_LEFT] = 1
+        self._flags[_BUSY] = 0
+
+    def close(self) -> None:
+        """Drops the views of shared memory (so the domain can unmap it)."""
+        self._flags = self._flags[:0]
+        self._slots = ()
+        self._peer_flags = []
+        self._peer_headers = [[], []]
+        self._data = [[], []]

@@ -1,0 +1,459 @@
+"""The fast lane: cached small allreduces agreed through shared memory.
+
+The protocol is driven by hand first (several ranks' lanes in one process, over real
+shared segments), then used for real by ranks: results, falling back, mixed orders,
+invalidation, join, shutdown, a killed rank, and a wait nobody drives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import signal
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+from hora.collectives.reduce import DataType
+from hora.config import Config
+from hora.engine.fast_lane import FastLane
+from hora.engine.handles import Handle
+from hora.engine.messages import Request, RequestType
+from hora.engine.queue import Entry
+from hora.transport import shm
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared memory needs an x86-64 Linux machine")
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def lanes():
+    """Makes the lanes of an n-rank job on this machine, all in this process."""
+    made: list[shm.Domain] = []
+    made_lanes: list[FastLane] = []
+
+    def make(n: int) -> list[FastLane]:
+        key = shm.job_key(secrets.token_bytes(16))
+        domains = [shm.Domain(key, 0, range(n), rank, 4096) for rank in range(n)]
+        made.extend(domains)
+        for domain in domains:
+            domain.attach()
+        for domain in domains:
+            domain.unlink()
+        made_lanes.extend(FastLane(domain, Config()) for domain in domains)
+        return made_lanes[-n:]
+
+    yield make
+    for lane in made_lanes:
+        lane.close()
+    for domain in made:
+        domain.close()
+
+
+def entry(values, name: str = "x", op: int = 1) -> Entry:
+    """An allreduce entry of float32 ``values`` (op 1: Sum)."""
+    data = np.asarray(values, dtype=np.float32)
+    request = Request(0, RequestType.ALLREDUCE, f"allreduce.{name}", 0, int(DataType.FLOAT32), data.shape, op)
+    return Entry(request, DataType.FLOAT32, data, np.empty_like(data), Handle(name))
+
+
+def test_matching_proposals_give_every_rank_the_same_sum(lanes):
+    a, b, c = lanes(3)
+    entries = [entry([1.5, 2.0]), entry([10.0, 20.0]), entry([100.0, 200.0])]
+    assert a.propose(entries[0], 7)
+    assert not a.settled() and a.settle() is None  # the others have not answered
+    assert b.propose(entries[1], 7)
+    assert c.propose(entries[2], 7)
+    for lane, e in zip((a, b, c), entries):
+        assert lane.settle() == (e, True)
+        assert e.output.tolist() == [111.5, 222.0]
+        assert lane.pending is None
+
+
+def test_rounds_reuse_the_two_slots_without_mixing_them(lanes):
+    a, b = lanes(2)
+    for step in range(7):
+        x, y = entry([step]), entry([10.0 * step])
+        assert a.propose(x, 3) and b.propose(y, 3)
+        assert a.settle() == (x, True) and b.settle() == (y, True)
+        assert x.output.tolist() == y.output.tolist() == [11.0 * step]
+
+
+def test_different_tensors_fail_on_every_rank(lanes):
+    a, b = lanes(2)
+    x, y = entry([1.0]), entry([2.0])
+    assert a.propose(x, 1) and b.propose(y, 2)
+    assert a.settle() == (x, False) and b.settle() == (y, False)
+    # The next entry is open to both again.
+    x, y = entry([1.0]), entry([2.0])
+    assert a.propose(x, 1) and b.propose(y, 1)
+    assert a.settle() == (x, True) and b.settle() == (y, True)
+
+
+def test_a_busy_rank_refuses_and_nobody_proposes_to_it(lanes):
+    a, b = lanes(2)
+    x = entry([1.0])
+    assert a.propose(x, 1)
+    b.serve(busy=True)  # b has a collective on the coordinator's path: it refuses
+    assert a.settle() == (x, False)
+    assert not a.propose(entry([1.0]), 1)  # b is still busy: a does not even try
+    b.serve(busy=False)
+    x, y = entry([1.0]), entry([2.0])
+    assert a.propose(x, 1) and b.propose(y, 1)  # b caught up past the entry it refused
+    assert a.settle() == (x, True) and b.settle() == (y, True)
+    assert x.output.tolist() == [3.0]
+
+
+def test_a_rank_behind_catches_up_before_proposing(lanes):
+    a, b, c = lanes(3)
+    x = entry([1.0])
+    assert a.propose(x, 1)
+    b.serve(busy=True)
+    b.serve(busy=False)
+    assert a.settle() == (x, False)
+    # c wrote nothing yet: a cannot propose entry 2 until c has answered entry 1.
+    assert not a.propose(entry([1.0]), 1)
+    z = entry([4.0])
+    assert c.propose(z, 1)  # refuses the doomed entry 1, proposes entry 2
+    x, y = entry([1.0]), entry([2.0])
+    assert a.propose(x, 1) and b.propose(y, 1)
+    for lane, e in ((a, x), (b, y), (c, z)):
+        assert lane.settle() == (e, True) and e.output.tolist() == [7.0]
+
+
+def test_a_rank_that_left_fails_what_waits_for_it(lanes):
+    a, b = lanes(2)
+    x = entry([1.0])
+    assert a.propose(x, 1)
+    b.leave()
+    assert a.settle() == (x, False)
+    assert not a.propose(entry([1.0]), 1)
+
+
+def test_a_waiting_rank_is_woken_by_the_entry_it_waits_for(lanes):
+    a, b = lanes(2)
+    x = entry([1.0])
+    assert a.propose(x, 1)
+    a.watch(caller=True, on=True)
+    assert b.propose(entry([2.0]), 1)
+    a.watch(caller=True, on=False)
+    import select
+
+    poller = select.poll()
+    poller.register(a._domain.wake_fileno(), select.POLLIN)
+    assert poller.poll(1000), "the writer did not wake the watching rank"
+    assert a.settle() == (x, True)
+
+
+def test_only_lone_small_global_allreduces_ride_the_lane():
+    assert FastLane.carries(entry([1.0] * 4096))
+    assert not FastLane.carries(entry([1.0] * 4097))  # over 16 KiB
+    grouped = entry([1.0])
+    grouped.request.group = "g"
+    assert not FastLane.carries(grouped)
+    other_set = entry([1.0])
+    other_set.request.process_set_id = 1
+    assert not FastLane.carries(other_set)
+    gather = entry([1.0])
+    gather.request.type = RequestType.ALLGATHER
+    assert not FastLane.carries(gather)
+
+
+# ----- ranks -----
+
+
+def lane_results_job(rounds: int) -> list:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me, n = hvd.rank(), hvd.size()
+    out = []
+    cases = [
+        (np.float32, hvd.Sum, (3,)),
+        (np.float64, hvd.Average, (2, 2)),
+        (np.int32, hvd.Max, (5,)),
+        (np.int64, hvd.Min, ()),
+        (np.float16, hvd.Sum, (4,)),
+        (np.float32, hvd.Product, (2,)),
+    ]
+    for step in range(rounds):
+        for index, (dtype, op, shape) in enumerate(cases):
+            value = np.full(shape, me + 1 + step, dtype=dtype)
+            out.append(hvd.allreduce(value, op=op, name=f"case{index}", prescale_factor=1.0).tolist())
+        big = hvd.allreduce(np.full(8192, me, dtype=np.float32), op=hvd.Sum, name="big")  # 32 KiB: coordinator's path
+        out.append(float(big[0]))
+        time.sleep(0.02)  # quiet moments: every rank is idle when the next step starts
+    from hora.api import current
+
+    lane = current().engine._lane
+    hvd.shutdown()
+    return [out, None if lane is None else lane.succeeded]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.timeout(120)
+def test_results_are_exact_whichever_path_a_step_takes(size):
+    rounds = 6
+    results = run_ranks(size, lane_results_job, rounds, timeout=100)
+    outs = [r[0] for r in results]
+    assert all(out == outs[0] for out in outs)  # every rank got the same bits
+    total = lambda step: sum(r + 1 + step for r in range(size))  # noqa: E731
+    for step in range(rounds):
+        row = outs[0][step * 7 : step * 7 + 7]
+        assert row[0] == [total(step)] * 3
+        assert row[1] == [[total(step) / size] * 2] * 2
+        assert row[2] == [size + step] * 5
+        assert row[3] == 1 + step
+        assert row[4] == [total(step)] * 4
+        product = float(np.prod([np.float32(r + 1 + step) for r in range(size)]))
+        assert row[5] == [product] * 2
+        assert row[6] == sum(range(size))
+    if size > 1:
+        # Cached, small, quiet: the lane carried some of these (how many depends on timing).
+        assert all(r[1] > 0 for r in results), [r[1] for r in results]
+
+
+def mixed_order_job(steps: int) -> list:
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    for step in range(steps):
+        # Odd ranks submit in the opposite order; small and large, named and grouped.
+        calls = [
+            lambda: hvd.allreduce_async(np.full(2, me + step, dtype=np.float32), op=hvd.Sum, name="a"),
+            lambda: hvd.allreduce_async(np.full(3, me * step, dtype=np.float64), op=hvd.Sum, name="b"),
+            lambda: hvd.allreduce_async(np.full(6000, 1.0, dtype=np.float32), op=hvd.Sum, name="large"),
+            lambda: hvd.grouped_allreduce_async([np.ones(2), np.ones(1)], op=hvd.Sum, name="g"),
+        ]
+        if me % 2:
+            calls.reverse()
+        handles = [call() for call in calls]
+        if me % 2:
+            handles.reverse()
+        results = [hvd.synchronize(h) for h in handles]
+        out.append([results[0].tolist(), results[1].tolist(), float(results[2][0]), [r.tolist() for r in results[3]]])
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(120)
+def test_ranks_submitting_in_different_orders_finish_with_exact_results(size):
+    steps = 8
+    for out in run_ranks(size, mixed_order_job, steps, timeout=100):
+        for step, row in enumerate(out):
+            assert row[0] == [sum(r + step for r in range(size))] * 2
+            assert row[1] == [sum(r * step for r in range(size))] * 3
+            assert row[2] == size
+            assert row[3] == [[size] * 2, [size]]
+
+
+def threads_job(steps: int) -> list:
+    import threading
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out: dict[int, list] = {}
+
+    def work(thread: int) -> None:
+        out[thread] = [
+            hvd.allreduce(np.full(3, me + thread + step, dtype=np.float32), op=hvd.Sum, name=f"t{thread}").tolist()
+            for step in range(steps)
+        ]
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hvd.shutdown()
+    return [out[t] for t in range(3)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(120)
+def test_threads_of_a_rank_share_the_lane(size):
+    steps = 40
+    for out in run_ranks(size, threads_job, steps, timeout=100):
+        for thread in range(3):
+            assert out[thread] == [[float(sum(r + thread + step for r in range(size)))] * 3 for step in range(steps)]
+
+
+def invalidation_job() -> list:
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    for _ in range(3):
+        out.append(hvd.allreduce(np.ones(3), op=hvd.Sum, name="x").tolist())
+    try:  # one rank changes the shape of a cached tensor
+        hvd.allreduce(np.ones(4 if me == 1 else 3), op=hvd.Sum, name="x")
+        out.append("no error")
+    except hvd.CollectiveMismatchError as exc:
+        out.append(str(exc))
+    try:  # and its dtype
+        hvd.allreduce(np.ones(3, dtype=np.float32 if me == 1 else np.float64), op=hvd.Sum, name="x")
+        out.append("no error")
+    except hvd.CollectiveMismatchError as exc:
+        out.append(str(exc))
+    for _ in range(3):
+        out.append(hvd.allreduce(np.ones(3), op=hvd.Sum, name="x").tolist())
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_tensor_leaves_the_lane_and_gets_the_coordinators_error():
+    for out in run_ranks(2, invalidation_job):
+        assert out[:3] == [[2.0] * 3] * 3
+        assert "allreduce 'x': shapes differ across ranks: rank 0: (3,), rank 1: (4,)" in out[3]
+        assert "allreduce 'x': data types differ across ranks: rank 0: float64, rank 1: float32" in out[4]
+        assert out[5:] == [[2.0] * 3] * 3
+
+
+def join_job() -> list:
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    steps = 3 if me == 1 else 8  # rank 1 runs out of data first and joins
+    for step in range(steps):
+        out.append(hvd.allreduce(np.full(2, 1.0 + me, dtype=np.float32), op=hvd.Sum, name="loss").tolist())
+    out.append(hvd.join())
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_joined_rank_contributes_zeros_to_cached_tensors():
+    rank0, rank1 = run_ranks(2, join_job)
+    assert rank0[:3] == rank1[:3] == [[3.0, 3.0]] * 3
+    assert rank0[3:8] == [[1.0, 1.0]] * 5  # rank 1 has joined: zeros
+    assert rank0[8] == rank1[3] == 0  # the last rank to join was rank 0
+
+
+def poll_only_job() -> list:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    for step in range(6):
+        handle = hvd.allreduce_async(np.full(2, me + step, dtype=np.float32), op=hvd.Sum, name="polled")
+        deadline = time.monotonic() + 30
+        while not hvd.poll(handle):  # nobody waits: the engine thread must finish it
+            assert time.monotonic() < deadline, "an allreduce nobody waits for never finished"
+            time.sleep(0.002)
+        out.append(hvd.synchronize(handle).tolist())
+        if me == 0:
+            time.sleep(0.05)  # rank 1 proposes first and then only polls
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_lane_proposal_nobody_waits_for_finishes():
+    for out in run_ranks(2, poll_only_job, timeout=80):
+        assert out == [[float(1 + 2 * step)] * 2 for step in range(6)]
+
+
+def killed_job() -> str:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    for _ in range(5):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+    if me == 1:
+        time.sleep(0.5)  # rank 0 waits on the lane meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+    except hvd.HoraInternalError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_while_another_waits_on_the_lane_fails_it():
+    results = run_ranks(2, killed_job, check=False)
+    assert results[1].returncode == -signal.SIGKILL
+    assert results[0].returncode == 0, results[0].output
+    assert "allreduce 'step' failed: rank 1 on host" in results[0].value
+    assert "was lost" in results[0].value
+
+
+def shutdown_job() -> str:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    for _ in range(5):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+    if me == 1:
+        time.sleep(0.3)  # rank 0 waits on the lane meanwhile
+        hvd.shutdown()
+        return "left"
+    try:
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+        return "no error"
+    except hvd.HoraInternalError as exc:
+        return str(exc)
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_shuts_down_fails_the_lane_wait_for_it():
+    rank0, rank1 = run_ranks(2, shutdown_job)
+    assert rank1 == "left"
+    assert "allreduce 'step' cannot run: rank 1 of its process set has shut down" in rank0
+
+
+def lane_stall_job() -> str:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    for _ in range(3):
+        hvd.allreduce(np.ones(2), name="lonely")
+    if hvd.rank() == 0:
+        time.sleep(0.2)  # rank 1 is idle: rank 0's next one goes on the lane
+        try:
+            hvd.allreduce(np.ones(2), name="lonely")
+            return "no error"
+        except hvd.HoraInternalError as exc:
+            return str(exc)
+    time.sleep(8)  # never submits 'lonely' again; the stall shutdown ends the job first
+    try:
+        hvd.allreduce(np.ones(2), name="late")
+        return "no error"
+    except hvd.HoraInternalError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_lane_wait_is_reported_and_shut_down_like_any_stall():
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    results = run_ranks(2, lane_stall_job, env=env, check=False)
+    assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
+    for result in results:
+        assert "stalled for longer than 3 s" in result.value, result.value
