@@ -7,9 +7,13 @@ fixed cycle.
 
 Each pass of the loop:
 1. reads control frames: requests (rank 0), responses (other ranks), shutdown, abort;
-2. announces newly submitted tensors to the coordinator (rank 0 runs it in-process);
-3. on rank 0, hands each ready response to the ranks of its process set;
-4. executes this rank's responses in the agreed order.
+2. settles this rank's fast-lane proposal, if the other ranks have answered it
+   (``hora.engine.fast_lane``: cached small allreduces when every rank shares this
+   machine);
+3. announces newly submitted tensors to the coordinator (rank 0 runs it in-process),
+   or proposes a lone cached small allreduce on the fast lane;
+4. on rank 0, hands each ready response to the ranks of its process set;
+5. executes this rank's responses in the agreed order.
 
 Who runs a pass: the engine thread, or a user thread. All engine state belongs to
 whichever thread holds ``_drive``. A thread that submits announces its tensors itself
@@ -527,17 +531,15 @@ class Engine:
             self._caller_sleeping = True
         else:
             self._sleeping = True
-        watching = lane is not None and lane.pending is not None
-        if watching:
-            assert lane is not None
-            lane.watch(caller, True)
-            recheck = lane.recheck_ms()
-            if recheck is not None:
-                timeout_ms = recheck if timeout_ms is None else min(timeout_ms, recheck)
-        if not self.queue.has_new() and not (watching and lane is not None and lane.settled()):
+        watched = lane if lane is not None and lane.pending is not None else None
+        if watched is not None:
+            watched.watch(caller, True)
+            recheck = watched.recheck_ms()
+            timeout_ms = recheck if timeout_ms is None else min(timeout_ms, recheck)
+        if not self.queue.has_new() and not (watched is not None and watched.settled()):
             events = poller.poll(timeout_ms)
-        if watching and lane is not None:
-            lane.watch(caller, False)
+        if watched is not None:
+            watched.watch(caller, False)
         if caller:
             self._caller_sleeping = False
         else:

@@ -27,9 +27,9 @@ Invariants:
 * A rank with collectives in flight on the coordinator's path is *busy* and refuses
   every proposal it sees: the proposal may be for a tensor it sent the coordinator's
   way, and neither path would then finish. A proposer wakes busy ranks (a wake-up byte
-  on the domain's socket) so they refuse promptly; it proposes only when no rank is busy
-  or gone. A rank that is not busy writes nothing until its own next allreduce: that one
-  either matches the proposal or, differing, fails it.
+  on the domain's socket), which refuse if they are still busy when they look. A rank
+  that is not busy writes nothing until its own next allreduce: that one either matches
+  the proposal or, differing, fails it.
 * A rank that waits for entries sleeps with a *watch* flag set; whoever writes an entry
   wakes the ranks whose flag is set. The flags and entries are read without fences, so a
   wake-up can be missed: waits are bounded (``recheck_ms``), and every recheck also
@@ -92,18 +92,16 @@ class FastLane:
 
     def __init__(self, domain: Domain, config: Config) -> None:
         self._domain = domain
-        self._ranks = domain.ranks
-        self._me = domain.me
         lanes = {rank: domain.lane(rank) for rank in domain.ranks}
-        self._flags = lanes[self._me][0]
-        self._slots = lanes[self._me][1]
-        self._peers = [rank for rank in domain.ranks if rank != self._me]
+        self._flags, self._slots = lanes[domain.me]
+        self._peers = [rank for rank in domain.ranks if rank != domain.me]
         self._peer_flags = [lanes[rank][0] for rank in self._peers]
         # By slot: each peer's header, and every rank's data in rank order.
         self._peer_headers = [[lanes[rank][1][slot][0] for rank in self._peers] for slot in (0, 1)]
         self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
         self.pending: _Proposal | None = None
         self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
+        self._left = False
         self._recheck_ms = _RECHECK_MIN_MS
         self._next_recheck = 0.0
         self._warn_after = None if config.stall_check_disable else config.stall_check_time_seconds
@@ -130,13 +128,15 @@ class FastLane:
         """Writes a proposal for ``entry`` (cached under ``cache_id``) if the lane is open.
 
         Returns:
-            False when it is not (a proposal pending, a rank busy or gone, or a rank
-            still behind): nothing was written, and the tensor goes the coordinator's way.
+            False when it is not (a proposal pending, a rank gone, or a rank still
+            behind): no proposal was written, and the tensor goes the coordinator's way.
+            A busy rank is proposed to all the same: it is usually just finishing its
+            last collective, and then answers with its own proposal; if not, it refuses.
         """
-        if self.pending is not None:
+        if self.pending is not None or self._left:
             return False
         for flags in self._peer_flags:
-            if flags[_BUSY] or flags[_LEFT]:
+            if flags[_LEFT]:
                 return False
         seq = self._catch_up()
         for flags in self._peer_flags:
@@ -154,7 +154,7 @@ class FastLane:
         self.pending = _Proposal(seq, entry, cache_id, nbytes)
         self._recheck_ms = _RECHECK_MIN_MS
         self._next_recheck = time.perf_counter() + _RECHECK_MIN_MS / 1000.0
-        self._wake_busy()  # one may have turned busy since the check above
+        self._wake_busy()  # each refuses, unless it finds itself idle by then (see serve)
         return True
 
     def _catch_up(self) -> int:
@@ -260,10 +260,8 @@ class FastLane:
             self._last_warning = time.monotonic()
             log.warning("%s", stall_report(stalls, self._warn_after))
 
-    def recheck_ms(self) -> float | None:
-        """How long a wait may sleep before the next recheck; None when nothing is pending."""
-        if self.pending is None:
-            return None
+    def recheck_ms(self) -> float:
+        """How long a wait for the pending proposal may sleep before the next recheck."""
         return max(0.0, (self._next_recheck - time.perf_counter()) * 1000.0)
 
     def _wake_busy(self) -> None:
@@ -278,6 +276,8 @@ class FastLane:
 
         Call after ``settle`` (entries past a pending proposal cannot exist yet).
         """
+        if self._left:
+            return  # others no longer wait for this rank's entries
         if bool(self._flags[_BUSY]) != busy:
             self._flags[_BUSY] = int(busy)
         if not busy or self.pending is not None:
@@ -293,8 +293,10 @@ class FastLane:
 
     def leave(self) -> None:
         """Marks this rank gone: others stop proposing, and fail what waits for it."""
-        self._flags[_LEFT] = 1
-        self._flags[_BUSY] = 0
+        if not self._left:
+            self._left = True
+            self._flags[_LEFT] = 1
+            self._flags[_BUSY] = 0
 
     def close(self) -> None:
         """Drops the views of shared memory (so the domain can unmap it)."""
