@@ -226,8 +226,9 @@ class Engine:
             self._let_go()
         if self._responses or self._caller_error is not None:
             self._wake()  # the engine thread executes, unless a waiting caller gets there first
-        elif self._lane is not None and self._lane.pending is not None:
-            self._wake_if_sleeping()  # it sleeps unwatched: it watches the lane once it looks again
+        elif self._lane is not None and self._lane.pending is not None and self._lane.pending.entry is entries[-1]:
+            # Proposed just now on the lane: a sleeping engine thread does not watch it yet.
+            self._wake_if_sleeping()
 
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
@@ -291,6 +292,8 @@ class Engine:
                 if self._caller_error is not None:
                     break
                 poller = self._callers_poller()
+                if self._settled_on_lane(handle, poller):
+                    continue
                 self._absorb(self._poll(poller, caller=True))
                 self._pass()
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
@@ -435,7 +438,7 @@ class Engine:
         """One pass of the loop (the caller holds ``_drive``); returns whether it did any work."""
         self._apply_timeline_request()
         self._read_control()
-        worked = self._settle_lane()
+        worked = self._settle_lane() is not None
         new = self.queue.drain()
         worked = worked or bool(new or self._responses)
         if new and self._config.cycle_time_ms > 0:
@@ -455,21 +458,42 @@ class Engine:
             self._lane.serve(self._lane_busy())
         return worked
 
-    def _settle_lane(self) -> bool:
-        """Completes this rank's lane proposal once settled, or sends it the coordinator's way."""
+    def _settle_lane(self) -> bool | None:
+        """Completes this rank's lane proposal once settled, or sends it the coordinator's way.
+
+        Returns:
+            None while it waits; else whether it succeeded.
+        """
         lane = self._lane
         if lane is None or lane.pending is None:
-            return False
+            return None
         settled = lane.settle()
         if settled is None:
-            return False
+            return None
         entry, succeeded = settled
         if not succeeded:
             self._announce([entry], lane=False)
-            return True
+            return False
         if self.queue.pop(entry.request.process_set_id, entry.request.name) is not None:
             assert entry.output is not None  # invariant: FastLane.carries
             entry.handle.complete(entry.output.reshape(entry.shape))
+        return True
+
+    def _settled_on_lane(self, handle: Handle, poller: select.poll) -> bool:
+        """The lane's short cut for a caller waiting for its own lane proposal: spins on
+        the answers alone and settles it without a full pass. Returns False (the caller
+        runs a pass) when anything else needs a pass: a frame, a wake-up, a new tensor, or
+        the spin running out.
+        """
+        lane = self._lane
+        if lane is None or lane.pending is None or lane.pending.entry.handle is not handle:
+            return False
+        spin_until = time.perf_counter() + SPIN_AFTER_WORK
+        while not lane.settled():
+            if poller.poll(0) or self.queue.has_new() or time.perf_counter() >= spin_until:
+                return False
+        if self._settle_lane() is False:
+            self._pass()  # it went the coordinator's way: send it on (on rank 0, match it) now
         return True
 
     def _lane_busy(self) -> bool:

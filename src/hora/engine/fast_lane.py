@@ -41,9 +41,7 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
-from hora.collectives.reduce import reducer, scale
+from hora.collectives.reduce import DataType, Reducer, reducer, scale
 from hora.config import Config
 from hora.engine.coordinator import Stall
 from hora.engine.messages import RequestType
@@ -93,12 +91,16 @@ class FastLane:
     def __init__(self, domain: Domain, config: Config) -> None:
         self._domain = domain
         lanes = {rank: domain.lane(rank) for rank in domain.ranks}
-        self._flags, self._slots = lanes[domain.me]
+        flags = {rank: lane[0] for rank, lane in lanes.items()}
+        headers = {rank: [lane[1][slot][0] for slot in (0, 1)] for rank, lane in lanes.items()}
+        self._flags = flags[domain.me]
+        self._headers = headers[domain.me]
         self._peers = [rank for rank in domain.ranks if rank != domain.me]
-        self._peer_flags = [lanes[rank][0] for rank in self._peers]
+        self._peer_flags = [flags[rank] for rank in self._peers]
         # By slot: each peer's header, and every rank's data in rank order.
-        self._peer_headers = [[lanes[rank][1][slot][0] for rank in self._peers] for slot in (0, 1)]
+        self._peer_headers = [[headers[rank][slot] for rank in self._peers] for slot in (0, 1)]
         self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
+        self._reducers: dict[tuple[int, DataType], Reducer] = {}
         self.pending: _Proposal | None = None
         self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
         self._left = False
@@ -143,9 +145,9 @@ class FastLane:
             if flags[_WRITTEN] < seq - 1:
                 return False
         assert entry.input is not None  # invariant: carries()
-        header, data = self._slots[seq % 2]
+        header = self._headers[seq % 2]
         nbytes = entry.input.nbytes
-        view = data[:nbytes].view(entry.input.dtype)
+        view = self._data[seq % 2][self._domain.index][:nbytes].view(entry.input.dtype)
         view[...] = entry.input
         scale(view, entry.request.prescale, entry.dtype)
         header[_VERDICT] = cache_id
@@ -161,19 +163,19 @@ class FastLane:
         """Refuses every entry already doomed by others' entries; returns the next entry's number."""
         seq = int(self._flags[_WRITTEN]) + 1
         while True:
-            verdicts = [int(h[_VERDICT]) for h in self._peer_headers[seq % 2] if h[_SEQ] == seq]
+            verdicts = [h[_VERDICT] for h in self._peer_headers[seq % 2] if h[_SEQ] == seq]
             if not verdicts or (_NO not in verdicts and len(set(verdicts)) == 1):
                 return seq
             self._refuse(seq)
             seq += 1
 
     def _refuse(self, seq: int) -> None:
-        header = self._slots[seq % 2][0]
+        header = self._headers[seq % 2]
         header[_VERDICT] = _NO
         header[_NBYTES] = 0
         self._publish(header, seq)
 
-    def _publish(self, header: np.ndarray, seq: int) -> None:
+    def _publish(self, header: memoryview, seq: int) -> None:
         """Numbers the entry (its fields are in place) and wakes the ranks that watch."""
         header[_SEQ] = seq
         self._flags[_WRITTEN] = seq
@@ -228,7 +230,10 @@ class FastLane:
         data = self._data[seq % 2]
         out = entry.output
         out[...] = data[0][:nbytes].view(dtype)
-        reduce = reducer(entry.request.reduce_op, entry.dtype)
+        key = (entry.request.reduce_op, entry.dtype)
+        reduce = self._reducers.get(key)
+        if reduce is None:
+            reduce = self._reducers[key] = reducer(*key)
         for contribution in data[1:]:
             reduce(out, contribution[:nbytes].view(dtype))
         scale(out, entry.request.postscale, entry.dtype)
@@ -278,7 +283,7 @@ class FastLane:
         """
         if self._left:
             return  # others no longer wait for this rank's entries
-        if bool(self._flags[_BUSY]) != busy:
+        if self._flags[_BUSY] != busy:
             self._flags[_BUSY] = int(busy)
         if not busy or self.pending is not None:
             return
@@ -300,8 +305,9 @@ class FastLane:
 
     def close(self) -> None:
         """Drops the views of shared memory (so the domain can unmap it)."""
-        self._flags = self._flags[:0]
-        self._slots = ()
+        for view in (self._flags, *self._headers, *self._peer_flags, *self._peer_headers[0], *self._peer_headers[1]):
+            view.release()
+        self._headers = []
         self._peer_flags = []
         self._peer_headers = [[], []]
         self._data = [[], []]

@@ -31,8 +31,8 @@ class NumpyAdapter:
 
     @staticmethod
     def _restore(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
-        # Results come back in wire storage: bfloat16 as uint16.
-        return array.view(dtype) if dtype.name == "bfloat16" else array
+        # Results come back in wire storage: bfloat16 as uint16 (every other type as itself).
+        return array if array.dtype == dtype else array.view(dtype)
 
     def stage(self, tensor: np.ndarray, writable: bool, what: str) -> tuple[ops.Tensor, Callable[[], Any]]:
         return ops.from_numpy(tensor, writable=writable), lambda: tensor
