@@ -193,13 +193,17 @@ def test_horarun_names_the_killed_rank_first():
         ), proc.stdout
 
 
-def stall_job() -> str:
+def stall_job(cached: bool) -> str:
     import time
 
     import hora.numpy as hvd
 
     hvd.init()
+    if cached:  # 'lonely' is cached and small: rank 0's wait below is on the fast lane
+        for _ in range(3):
+            hvd.allreduce(np.ones(2), name="lonely")
     if hvd.rank() == 0:
+        time.sleep(0.2)  # rank 1 is idle by then
         try:
             hvd.allreduce(np.ones(2), name="lonely")
             return "no error"
@@ -213,10 +217,11 @@ def stall_job() -> str:
         return str(exc)
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.timeout(60)
-def test_stall_inspector_warns_then_shuts_down():
+def test_stall_inspector_warns_then_shuts_down(cached):
     env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
-    results = run_ranks(2, stall_job, env=env, check=False)
+    results = run_ranks(2, stall_job, cached, env=env, check=False)
     assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
     for result in results:
         assert "stalled for longer than 3 s" in result.value, result.value

@@ -372,7 +372,7 @@ def test_a_lane_proposal_nobody_waits_for_finishes():
         assert out == [[float(1 + 2 * step)] * 2 for step in range(6)]
 
 
-def killed_job() -> str:
+def leaving_job(how: str) -> str:
     import time
 
     import hora.numpy as hvd
@@ -383,34 +383,8 @@ def killed_job() -> str:
         hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
     if me == 1:
         time.sleep(0.5)  # rank 0 waits on the lane meanwhile
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
-    except hvd.HoraInternalError as exc:
-        return str(exc)
-    return "no error"
-
-
-@pytest.mark.timeout(60)
-def test_a_rank_killed_while_another_waits_on_the_lane_fails_it():
-    results = run_ranks(2, killed_job, check=False)
-    assert results[1].returncode == -signal.SIGKILL
-    assert results[0].returncode == 0, results[0].output
-    assert "allreduce 'step' failed: rank 1 on host" in results[0].value
-    assert "was lost" in results[0].value
-
-
-def shutdown_job() -> str:
-    import time
-
-    import hora.numpy as hvd
-
-    hvd.init()
-    me = hvd.rank()
-    for _ in range(5):
-        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
-    if me == 1:
-        time.sleep(0.3)  # rank 0 waits on the lane meanwhile
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         hvd.shutdown()
         return "left"
     try:
@@ -418,44 +392,17 @@ def shutdown_job() -> str:
         return "no error"
     except hvd.HoraInternalError as exc:
         return str(exc)
-    finally:
-        hvd.shutdown()
 
 
+@pytest.mark.parametrize("how", ["kill", "shutdown"])
 @pytest.mark.timeout(60)
-def test_a_rank_that_shuts_down_fails_the_lane_wait_for_it():
-    rank0, rank1 = run_ranks(2, shutdown_job)
-    assert rank1 == "left"
-    assert "allreduce 'step' cannot run: rank 1 of its process set has shut down" in rank0
-
-
-def lane_stall_job() -> str:
-    import time
-
-    import hora.numpy as hvd
-
-    hvd.init()
-    for _ in range(3):
-        hvd.allreduce(np.ones(2), name="lonely")
-    if hvd.rank() == 0:
-        time.sleep(0.2)  # rank 1 is idle: rank 0's next one goes on the lane
-        try:
-            hvd.allreduce(np.ones(2), name="lonely")
-            return "no error"
-        except hvd.HoraInternalError as exc:
-            return str(exc)
-    time.sleep(8)  # never submits 'lonely' again; the stall shutdown ends the job first
-    try:
-        hvd.allreduce(np.ones(2), name="late")
-        return "no error"
-    except hvd.HoraInternalError as exc:
-        return str(exc)
-
-
-@pytest.mark.timeout(60)
-def test_a_stalled_lane_wait_is_reported_and_shut_down_like_any_stall():
-    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
-    results = run_ranks(2, lane_stall_job, env=env, check=False)
-    assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
-    for result in results:
-        assert "stalled for longer than 3 s" in result.value, result.value
+def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how):
+    results = run_ranks(2, leaving_job, how, check=False)
+    assert results[0].returncode == 0, results[0].output
+    if how == "kill":
+        assert results[1].returncode == -signal.SIGKILL
+        assert "allreduce 'step' failed: rank 1 on host" in results[0].value
+        assert "was lost" in results[0].value
+    else:
+        assert results[1].value == "left"
+        assert "allreduce 'step' cannot run: rank 1 of its process set has shut down" in results[0].value
