@@ -287,14 +287,19 @@ class Engine:
     def _drive_until(self, handle: Handle) -> bool:
         """``drive``'s passes (holding ``_drive``); returns whether work is left for the engine thread."""
         self._driving = True
+        spin = True
         try:
             while not handle.done() and not self._finished and not self._stop_requested:
                 if self._caller_error is not None:
                     break
                 poller = self._callers_poller()
-                if self._settled_on_lane(handle, poller):
+                if self._settled_on_lane(handle, poller, spin):
                     continue
-                self._absorb(self._poll(poller, caller=True))
+                events = self._poll(poller, caller=True, spin=spin)
+                # Woken by nothing (a lane wait's recheck): the answer is not imminent, so
+                # the next wait sleeps at once instead of spinning again.
+                spin = bool(events) or self._busy()
+                self._absorb(events)
                 self._pass()
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
             self._caller_error = exc
@@ -479,16 +484,16 @@ class Engine:
             entry.handle.complete(entry.output.reshape(entry.shape))
         return True
 
-    def _settled_on_lane(self, handle: Handle, poller: select.poll) -> bool:
-        """The lane's short cut for a caller waiting for its own lane proposal: spins on
-        the answers alone and settles it without a full pass. Returns False (the caller
-        runs a pass) when anything else needs a pass: a frame, a wake-up, a new tensor, or
-        the spin running out.
+    def _settled_on_lane(self, handle: Handle, poller: select.poll, spin: bool) -> bool:
+        """The lane's short cut for a caller waiting for its own lane proposal: spins (if
+        ``spin``) on the answers alone and settles it without a full pass. Returns False
+        (the caller runs a pass) when anything else needs a pass: a frame, a wake-up, a new
+        tensor, or the spin running out.
         """
         lane = self._lane
         if lane is None or lane.pending is None or lane.pending.entry.handle is not handle:
             return False
-        spin_until = time.perf_counter() + SPIN_AFTER_WORK
+        spin_until = time.perf_counter() + (SPIN_AFTER_WORK if spin else 0.0)
         while not lane.settled():
             if poller.poll(0) or self.queue.has_new() or time.perf_counter() >= spin_until:
                 return False
@@ -525,12 +530,12 @@ class Engine:
                 self._caller_poller.register(fd, select.POLLIN)
         return self._caller_poller
 
-    def _poll(self, poller: select.poll, caller: bool) -> list[tuple[int, int]]:
+    def _poll(self, poller: select.poll, caller: bool, spin: bool = True) -> list[tuple[int, int]]:
         """Waits for a wake-up, a control frame, a submit, or a timeout; reads nothing.
 
-        Spins briefly first where a reply is likely soon: a caller always (it waits for a
-        result), the engine thread just after it did work. A job of one rank has no peer
-        to hear from, so nothing to spin for.
+        Spins briefly first where a reply is likely soon: a caller (it waits for a
+        result) unless ``spin`` is False, the engine thread just after it did work. A job
+        of one rank has no peer to hear from, so nothing to spin for.
         """
         lane = self._lane
         busy = self._busy()
@@ -538,7 +543,7 @@ class Engine:
         if events or busy:
             return events
         timeout_ms = self._sleep_timeout_ms(caller)
-        since = time.perf_counter() if caller else self._last_work
+        since = (time.perf_counter() if spin else float("-inf")) if caller else self._last_work
         spin_until = since + (SPIN_AFTER_WORK if self._links else 0.0)
         while not events and not self.queue.has_new() and time.perf_counter() < spin_until:
             if lane is not None and lane.settled():
@@ -548,9 +553,8 @@ class Engine:
             return events
         # Invariant: the flag is set before the last look at the queue, and a submit
         # adds before it reads the flag, so a submit either is seen here or writes a
-        # wake-up byte. The lane's watch flag works alike for peers' entries, except
-        # that nothing orders it across processes: a lane wait sleeps at most until
-        # its next recheck.
+        # wake-up byte. The lane's watch flag works alike for peers' entries (with a
+        # fence on both sides, see fast_lane), and a lane wait also wakes for its recheck.
         if caller:
             self._caller_sleeping = True
         else:

@@ -31,13 +31,17 @@ Invariants:
   that is not busy writes nothing until its own next allreduce: that one either matches
   the proposal or, differing, fails it.
 * A rank that waits for entries sleeps with a *watch* flag set; whoever writes an entry
-  wakes the ranks whose flag is set. The flags and entries are read without fences, so a
-  wake-up can be missed: waits are bounded (``recheck_ms``), and every recheck also
-  wakes busy ranks again.
+  wakes the ranks whose flag is set. Flag and entry form a pair on each side (set mine,
+  then read yours), which x86-64 may reorder (a store may wait in a buffer past a later
+  load), so each side puts a full fence between them (a lock taken and released: a
+  locked instruction), and then at least one side sees the other's write. The same holds
+  for busy flags and proposals. Waits still wake now and then (``recheck_ms``, doubling
+  up to a second) to report a stall and, defensively, to look again.
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
 import time
 
@@ -63,8 +67,8 @@ _VERDICT = 1  # the proposed cache id, or _NO
 _NBYTES = 2  # the proposal's size in bytes
 _NO = -1
 
-_RECHECK_MIN_MS = 1.0
-_RECHECK_MAX_MS = 100.0
+_RECHECK_MIN_MS = 2.0
+_RECHECK_MAX_MS = 1000.0
 
 
 class _Proposal:
@@ -101,6 +105,7 @@ class FastLane:
         self._peer_headers = [[headers[rank][slot] for rank in self._peers] for slot in (0, 1)]
         self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
         self._reducers: dict[tuple[int, DataType], Reducer] = {}
+        self._fence_lock = _thread.allocate_lock()
         self.pending: _Proposal | None = None
         self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
         self._left = False
@@ -179,6 +184,10 @@ class FastLane:
         """Numbers the entry (its fields are in place) and wakes the ranks that watch."""
         header[_SEQ] = seq
         self._flags[_WRITTEN] = seq
+        self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
+        self._fence()
         for rank, flags in zip(self._peers, self._peer_flags):
             if flags[_WATCH_CALLER] or flags[_WATCH_ENGINE]:
                 self._domain.send_wake(rank)
@@ -285,6 +294,7 @@ class FastLane:
             return  # others no longer wait for this rank's entries
         if self._flags[_BUSY] != busy:
             self._flags[_BUSY] = int(busy)
+            self._fence()
         if not busy or self.pending is not None:
             return
         seq = int(self._flags[_WRITTEN]) + 1
@@ -293,8 +303,16 @@ class FastLane:
             seq += 1
 
     def watch(self, caller: bool, on: bool) -> None:
-        """Sets or clears the flag that asks writers to wake this rank's sleeping thread."""
+        """Sets or clears the flag that asks writers to wake this rank's sleeping thread
+        (set it before the last look at the entries)."""
         self._flags[_WATCH_CALLER if caller else _WATCH_ENGINE] = int(on)
+        if on:
+            self._fence()
+
+    def _fence(self) -> None:
+        """A full memory fence: this rank's stores so far are visible before its next loads."""
+        self._fence_lock.acquire()
+        self._fence_lock.release()
 
     def leave(self) -> None:
         """Marks this rank gone: others stop proposing, and fail what waits for it."""
@@ -302,6 +320,7 @@ class FastLane:
             self._left = True
             self._flags[_LEFT] = 1
             self._flags[_BUSY] = 0
+            self._wake_watchers()  # whoever waits for this rank's entry fails it now
 
     def close(self) -> None:
         """Drops the views of shared memory (so the domain can unmap it)."""
