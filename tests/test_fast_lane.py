@@ -7,9 +7,9 @@ invalidation, join, shutdown, a killed rank, and a wait nobody drives.
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
+import select
 import signal
 
 import numpy as np
@@ -25,9 +25,6 @@ from hora.engine.queue import Entry
 from hora.transport import shm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared memory needs an x86-64 Linux machine")
-
-_names = itertools.count()
-
 
 @pytest.fixture
 def lanes():
@@ -142,8 +139,6 @@ def test_a_waiting_rank_is_woken_by_the_entry_it_waits_for(lanes):
     a.watch(caller=True, on=True)
     assert b.propose(entry([2.0]), 1)
     a.watch(caller=True, on=False)
-    import select
-
     poller = select.poll()
     poller.register(a._domain.wake_fileno(), select.POLLIN)
     assert poller.poll(1000), "the writer did not wake the watching rank"

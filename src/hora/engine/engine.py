@@ -148,7 +148,7 @@ class Engine:
             else None
         )
         # The domain's wake-up socket: lane entries from peers arrive as wake-ups on it.
-        self._lane_fds = () if self._lane is None or domain is None else (domain.wake_fileno(),)
+        self._lane_fds = (domain.wake_fileno(),) if self._lane is not None and domain is not None else ()
         self._poller = select.poll()
         self._by_fd = {link.fileno(): link for link in self._links.values()}
         for fd in (self._wake_r.fileno(), *self._lane_fds, *self._by_fd):
@@ -213,11 +213,13 @@ class Engine:
         if self._config.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
             self._wake_if_sleeping()
             return
+        proposed = False
         try:
             if not self._finished and self._caller_error is None:
                 new = self.queue.drain()
                 if new:
                     self._announce(new)
+                    proposed = self._lane is not None and self._lane.pending is not None
                 if self._coordinator is not None:
                     self._distribute(self._coordinator.take())
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
@@ -226,9 +228,8 @@ class Engine:
             self._let_go()
         if self._responses or self._caller_error is not None:
             self._wake()  # the engine thread executes, unless a waiting caller gets there first
-        elif self._lane is not None and self._lane.pending is not None and self._lane.pending.entry is entries[-1]:
-            # Proposed just now on the lane: a sleeping engine thread does not watch it yet.
-            self._wake_if_sleeping()
+        elif proposed:
+            self._wake_if_sleeping()  # a sleeping engine thread does not watch the lane yet
 
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
@@ -501,12 +502,13 @@ class Engine:
             self._pass()  # it went the coordinator's way: send it on (on rank 0, match it) now
         return True
 
-    def _lane_busy(self) -> bool:
-        """True while this rank has collectives on the coordinator's path (or rank 0 records a
-        timeline, which should show every collective): it then refuses lane proposals."""
+    def _lane_busy(self, announcing: int = 0) -> bool:
+        """True while this rank has collectives on the coordinator's path, besides the lane's
+        and ``announcing`` entries being announced now (or rank 0 records a timeline, which
+        should show every collective): it then refuses lane proposals, and proposes none."""
         lane = self._lane
         on_lane = 1 if lane is not None and lane.pending is not None else 0
-        return len(self.queue) > on_lane or self._timeline is not None
+        return len(self.queue) > on_lane + announcing or self._timeline is not None
 
     def _park(self) -> list[tuple[int, int]]:
         """Sleeps on the wake-up socket alone, at most ``PARK_SECONDS`` (see there)."""
@@ -675,8 +677,7 @@ class Engine:
         fast_lane = self._lane
         if lane and fast_lane is not None and len(entries) == 1 and fast_lane.carries(entries[0]):
             cache_id = self._executor.cache.lookup(entries[0].request)
-            idle = len(self.queue) == 1 and self._timeline is None  # this tensor is all it has in flight
-            if cache_id is not None and idle and fast_lane.propose(entries[0], cache_id):
+            if cache_id is not None and not self._lane_busy(announcing=1) and fast_lane.propose(entries[0], cache_id):
                 return
         requests: list[messages.Request] = []
         cached: list[int] = []

@@ -42,7 +42,6 @@ Invariants:
 from __future__ import annotations
 
 import _thread
-import logging
 import time
 
 from hora.collectives.reduce import DataType, Reducer, reducer, scale
@@ -50,10 +49,8 @@ from hora.config import Config
 from hora.engine.coordinator import Stall
 from hora.engine.messages import RequestType
 from hora.engine.queue import Entry
-from hora.engine.stall import StalledError, stall_report
+from hora.engine.stall import StallInspector
 from hora.transport.shm import LANE_DATA_BYTES, Domain
-
-log = logging.getLogger("hora")
 
 # Flags (the lane's int64 meta fields of each rank's segment).
 _WRITTEN = 0  # the number of the last entry this rank wrote
@@ -111,10 +108,7 @@ class FastLane:
         self._left = False
         self._recheck_ms = _RECHECK_MIN_MS
         self._next_recheck = 0.0
-        self._warn_after = None if config.stall_check_disable else config.stall_check_time_seconds
-        shutdown = config.stall_shutdown_time_seconds
-        self._shutdown_after = shutdown if self._warn_after is not None and shutdown > self._warn_after else None
-        self._last_warning = float("-inf")
+        self._stall = StallInspector(config)
 
     @staticmethod
     def carries(entry: Entry) -> bool:
@@ -166,7 +160,7 @@ class FastLane:
 
     def _catch_up(self) -> int:
         """Refuses every entry already doomed by others' entries; returns the next entry's number."""
-        seq = int(self._flags[_WRITTEN]) + 1
+        seq = self._flags[_WRITTEN] + 1
         while True:
             verdicts = [h[_VERDICT] for h in self._peer_headers[seq % 2] if h[_SEQ] == seq]
             if not verdicts or (_NO not in verdicts and len(set(verdicts)) == 1):
@@ -196,18 +190,20 @@ class FastLane:
 
     def settled(self) -> bool:
         """True when the pending proposal's outcome is known (cheap: read while spinning)."""
-        proposal = self.pending
-        if proposal is None:
-            return False
+        return self.pending is not None and self._outcome(self.pending) is not None
+
+    def _outcome(self, proposal: _Proposal) -> bool | None:
+        """Success, failure, or None while some rank has not answered (and has not left)."""
         seq = proposal.seq
+        waiting = False
         for header, flags in zip(self._peer_headers[seq % 2], self._peer_flags):
             if header[_SEQ] != seq:
                 if flags[_LEFT]:
-                    return True
-                continue
-            if header[_VERDICT] != proposal.cache_id or header[_NBYTES] != proposal.nbytes:
-                return True
-        return all(header[_SEQ] == seq for header in self._peer_headers[seq % 2])
+                    return False
+                waiting = True
+            elif header[_VERDICT] != proposal.cache_id or header[_NBYTES] != proposal.nbytes:
+                return False
+        return None if waiting else True
 
     def settle(self) -> tuple[Entry, bool] | None:
         """Settles the pending proposal if every rank has answered it.
@@ -220,18 +216,18 @@ class FastLane:
             it goes the coordinator's way).
 
         Raises:
-            StalledError: it waited past the stall shutdown time.
+            hora.engine.stall.StalledError: it waited past the stall shutdown time.
         """
         proposal = self.pending
         if proposal is None:
             return None
-        if not self.settled():
+        outcome = self._outcome(proposal)
+        if outcome is None:
             self._recheck(proposal)
             return None
         self.pending = None
         seq, entry = proposal.seq, proposal.entry
-        headers = self._peer_headers[seq % 2]
-        if not all(h[_SEQ] == seq and h[_VERDICT] == proposal.cache_id and h[_NBYTES] == proposal.nbytes for h in headers):
+        if not outcome:
             return entry, False
         assert entry.output is not None and entry.input is not None  # invariant: carries()
         # Every rank sums the same bytes in the same order: bit-identical results.
@@ -257,22 +253,11 @@ class FastLane:
         self._recheck_ms = min(self._recheck_ms * 2, _RECHECK_MAX_MS)
         self._next_recheck = now + self._recheck_ms / 1000.0
         self._wake_busy()
-        if self._warn_after is None:
-            return
         waited = time.monotonic() - proposal.since
-        if waited < self._warn_after:
-            return
-        seq = proposal.seq
-        missing = [rank for rank, h in zip(self._peers, self._peer_headers[seq % 2]) if h[_SEQ] != seq]
-        stalls = [Stall(0, proposal.entry.request.name, waited, missing)]
-        if self._shutdown_after is not None and waited >= self._shutdown_after:
-            raise StalledError(
-                stall_report(stalls, self._warn_after)
-                + f"\nThese tensors stalled for longer than {self._shutdown_after:g} s; shutting the job down."
-            )
-        if time.monotonic() - self._last_warning >= self._warn_after:
-            self._last_warning = time.monotonic()
-            log.warning("%s", stall_report(stalls, self._warn_after))
+        if self._stall.enabled and waited >= self._stall.warn_after:
+            seq = proposal.seq
+            missing = [rank for rank, h in zip(self._peers, self._peer_headers[seq % 2]) if h[_SEQ] != seq]
+            self._stall.report([Stall(0, proposal.entry.request.name, waited, missing)])
 
     def recheck_ms(self) -> float:
         """How long a wait for the pending proposal may sleep before the next recheck."""
@@ -297,7 +282,7 @@ class FastLane:
             self._fence()
         if not busy or self.pending is not None:
             return
-        seq = int(self._flags[_WRITTEN]) + 1
+        seq = self._flags[_WRITTEN] + 1
         while any(h[_SEQ] == seq for h in self._peer_headers[seq % 2]):
             self._refuse(seq)
             seq += 1

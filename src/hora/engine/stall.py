@@ -75,8 +75,12 @@ class StallInspector:
         if not self.enabled or coordinator.next_deadline() is None:
             return
         stalls = coordinator.stalls(self.warn_after)
-        if not stalls:
-            return
+        if stalls:
+            self.report(stalls)
+
+    def report(self, stalls: list[Stall]) -> None:
+        """Warns about tensors that waited at least the warning time (at most once per
+        warning time); past the shutdown time raises StalledError."""
         now = self._clock()
         if self.shutdown_after is not None:
             doomed = [s for s in stalls if s.waited >= self.shutdown_after]
