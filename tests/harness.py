@@ -4,6 +4,11 @@ Every call starts its own rendezvous server and processes, so one test's failure
 never affects the next. Ranks get the same environment ``horarun`` gives them. The
 function is pickled by reference (test modules are importable in the ranks through
 PYTHONPATH); its return value comes back through a file per rank.
+
+With ``launcher="torchrun"`` the ranks get torchrun's variables instead (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and
+rank 0 runs the rendezvous, as under torchrun or a Kubernetes operator: nobody but the
+test itself stops a rank, so a survivor that hangs shows as a timeout.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +67,31 @@ def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, st
     return env
 
 
+def torchrun_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A rank's environment under torchrun-style variables (no hora launcher variables)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(size),
+        HORA_SECRET=secret.hex(),
+        HORA_START_TIMEOUT="30",
+        PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run_ranks(
     size: int,
     fn: Callable[..., Any],
@@ -71,6 +102,7 @@ def run_ranks(
     during: Callable[[RendezvousServer], None] | None = None,
     hosts: list[str] | None = None,
     secret: bytes | None = None,
+    launcher: str = "hora",
 ) -> list[Any] | list[RankResult]:
     """Runs ``fn(*args)`` on ``size`` ranks.
 
@@ -82,26 +114,34 @@ def run_ranks(
     ``during(server)``, when given, runs in the test process while the ranks run.
     ``hosts``, when given, names each rank's host (``HORA_HOSTNAME``) with local and
     cross ranks to match: ranks given different host names act as different hosts.
-    ``secret`` fixes the job secret (by default a fresh one).
+    ``secret`` fixes the job secret (by default a fresh one). ``launcher="torchrun"``
+    starts the ranks with torchrun's variables (see above; ``during`` and ``hosts`` do
+    not apply).
     """
     secret = secret or auth.new_secret()
-    server = RendezvousServer(secret).start()
+    torchrun = launcher == "torchrun"
+    server = None if torchrun else RendezvousServer(secret).start()
+    port = free_port() if torchrun else 0
     workdir = Path(tempfile.mkdtemp(prefix="hora-test-"))
     (workdir / "payload").write_bytes(cloudpickle.dumps((fn, args)))
     procs = []
     try:
         for rank in range(size):
+            if server is None:
+                rank_environ = torchrun_env(rank, size, port, secret, env)
+            else:
+                rank_environ = rank_env(rank, size, server.port, secret, {**(env or {}), **_host_env(rank, hosts)})
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "rank_main", str(workdir)],
-                    env=rank_env(rank, size, server.port, secret, {**(env or {}), **_host_env(rank, hosts)}),
+                    env=rank_environ,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
                     start_new_session=True,
                 )
             )
-        if during is not None:
+        if during is not None and server is not None:
             during(server)
         deadline = time.monotonic() + timeout
         results = []
@@ -127,7 +167,8 @@ def run_ranks(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        server.stop()
+        if server is not None:
+            server.stop()
     if not check:
         return results
     if timed_out or any(r.returncode != 0 for r in results):

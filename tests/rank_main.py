@@ -9,7 +9,8 @@ import cloudpickle
 
 def main() -> int:
     workdir = Path(sys.argv[1])
-    rank = __import__("os").environ["HORA_RANK"]
+    environ = __import__("os").environ
+    rank = environ.get("HORA_RANK", environ.get("RANK"))
     fn, args = cloudpickle.loads((workdir / "payload").read_bytes())
     try:
         value = fn(*args)

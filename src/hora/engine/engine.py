@@ -840,6 +840,7 @@ class Engine:
         self.failure = reason
         log.error("hora: rank %d: %s", self.rank, reason)
         self.queue.close(internal_error(reason))
+        self._executor.abandon(internal_error(reason))
 
     def _await_abort(self, control: Link, reason: str) -> str:
         """Waits briefly for rank 0's ABORT, whose reason names the root cause."""
@@ -869,7 +870,9 @@ class Engine:
     def _close(self) -> None:
         self._use_timeline(None)
         self._timeline_applied.set()  # a start_timeline racing with the end does not wait forever
-        self.queue.close(internal_error(self.failure or f"hora has shut down on rank {self.rank}"))
+        error = internal_error(self.failure or f"hora has shut down on rank {self.rank}")
+        self.queue.close(error)
+        self._executor.abandon(error)
         if self._lane is not None:
             self._lane.leave()
             self._lane.close()

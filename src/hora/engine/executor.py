@@ -7,6 +7,11 @@ rank that has joined has no entry for an allreduce and contributes zeros instead
 Fused allreduces are packed into one persistent fusion buffer (grown on demand), run
 as a single ring allreduce, and unpacked; a single tensor runs in its own output
 buffer with no packing copy.
+
+Invariant: an entry taken out of the queue for execution is in ``running`` until its
+response has finished (its handle completed), so a response that fails midway (a lost
+peer, an abort) leaves no handle that nobody completes: ``abandon`` fails the ones it
+took, as ``TensorQueue.close`` fails those still queued.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Executor:
         self.cache = RankCache()
         self.timeline: Timeline | None = None  # set while rank 0 records one
         self._fusion = np.empty(0, dtype=np.uint8)
+        self.running: list[Entry] = []  # the entries the response being executed took
 
     def run(self, response: Response) -> None:
         """Executes one response and completes the handles of its tensors.
@@ -57,6 +63,7 @@ class Executor:
         Raises:
             HoraInternalError: a peer was lost mid-collective (the job fails).
         """
+        self.running.clear()  # the previous response finished: its handles are complete
         kind = response.type
         if kind in (ResponseType.ERROR, ResponseType.ABORTED):
             error_type = CollectiveMismatchError if kind == ResponseType.ERROR else HoraInternalError
@@ -124,9 +131,17 @@ class Executor:
     def _take(self, response: Response, index: int) -> Entry | None:
         """Removes the entry of ``response.names[index]`` and learns its cache id."""
         entry = self.queue.pop(response.process_set_id, response.names[index])
-        if entry is not None and index < len(response.cache_ids):
-            self.cache.learn(entry.request, response.cache_ids[index])
+        if entry is not None:
+            self.running.append(entry)
+            if index < len(response.cache_ids):
+                self.cache.learn(entry.request, response.cache_ids[index])
         return entry
+
+    def abandon(self, error_for: Callable[[Entry], BaseException]) -> None:
+        """Fails the handles of the response that was cut short (a completed one ignores it)."""
+        running, self.running = self.running, []
+        for entry in running:
+            entry.handle.fail(error_for(entry))
 
     def _complete(self, response: Response, name: str, result: object) -> None:
         entry = self.queue.pop(response.process_set_id, name)

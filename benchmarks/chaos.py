@@ -1,0 +1,266 @@
+"""Kill, freeze and interrupt ranks at random points and measure how the survivors end.
+
+Ranks start the way torchrun or a Kubernetes operator starts them (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and a
+job secret): no horarun, so nobody cleans up after a failure, and a survivor that waits
+for ever shows as a hang. Each trial picks a workload (a collective, a size, a
+transport), starts the ranks, lets them warm up, then SIGKILLs one rank (or, with
+``--freeze``, SIGSTOPs it) at a random moment, which for large collectives usually lands
+in the data phase.
+
+Reported per trial: whether every survivor raised ``HoraInternalError``, how long after
+the kill the last survivor raised, and what the error said. Summary: hangs (a survivor
+still running ``--hang-after`` seconds after the kill) and the median and maximum time
+from the kill to the last survivor's error.
+
+Examples::
+
+    python benchmarks/chaos.py --trials 50 --np 3
+    python benchmarks/chaos.py --trials 10 --np 2 --freeze --stall-check 2 --stall-shutdown 4
+
+Each survivor measures its own time of failure with ``time.monotonic`` (one clock for
+every process of one machine) and prints it, so the times do not include the driver's
+polling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (operation, bytes per rank)
+WORKLOADS = {
+    "allreduce-64M": ("allreduce", 64 << 20),
+    "allreduce-256K": ("allreduce", 256 << 10),
+    "allreduce-4": ("allreduce", 4),
+    "allgather-16M": ("allgather", 16 << 20),
+    "broadcast-64M": ("broadcast", 64 << 20),
+    "alltoall-16M": ("alltoall", 16 << 20),
+    "reducescatter-16M": ("reducescatter", 16 << 20),
+    "grouped-16x1M": ("grouped", 1 << 20),
+}
+TRANSPORTS = ("shm", "tcp")
+
+
+def worker(operation: str, nbytes: int) -> int:
+    """One rank: warm up, say ready, then run the collective until it fails."""
+    import numpy as np
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    count = max(1, nbytes // 4)
+    size = hvd.size()
+    data = np.ones(count - count % size if operation in ("alltoall", "reducescatter") else count, np.float32)
+    grouped = [np.ones(count, np.float32) for _ in range(16)]
+
+    def step(i: int) -> None:
+        name = f"step.{i % 4}"
+        if operation == "allreduce":
+            hvd.allreduce_(data, name=name)
+        elif operation == "allgather":
+            hvd.allgather(data, name=name)
+        elif operation == "broadcast":
+            hvd.broadcast_(data, root_rank=i % size, name=name)
+        elif operation == "alltoall":
+            hvd.alltoall(data, name=name)
+        elif operation == "reducescatter":
+            hvd.reducescatter(data, name=name)
+        else:
+            hvd.grouped_allreduce_(grouped, name=name)
+
+    for i in range(3):
+        step(i)
+    print("READY", flush=True)
+    i = 0
+    try:
+        while True:
+            step(i)
+            i += 1
+    except hvd.HoraInternalError as exc:
+        print("FAILED " + json.dumps({"time": time.monotonic(), "error": str(exc), "kind": "HoraInternalError"}), flush=True)
+        return 3
+    except Exception as exc:  # noqa: BLE001 - reported as a wrong kind of error
+        print("FAILED " + json.dumps({"time": time.monotonic(), "error": repr(exc), "kind": type(exc).__name__}), flush=True)
+        return 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start(np_: int, workload: str, transport: str, extra: dict[str, str]) -> list[subprocess.Popen[str]]:
+    operation, nbytes = WORKLOADS[workload]
+    port = _free_port()
+    secret = os.urandom(32).hex()
+    procs = []
+    for rank in range(np_):
+        env = dict(os.environ)
+        for name in [n for n in env if n.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))]:
+            del env[name]
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(np_),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(np_),
+            HORA_SECRET=secret,
+            HORA_SHARED_MEMORY="1" if transport == "shm" else "0",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+            **extra,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", operation, str(nbytes)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def _wait_ready(procs: list[subprocess.Popen[str]], timeout: float) -> list[list[str]]:
+    """Reads each rank's output up to its READY line."""
+    lines: list[list[str]] = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        seen: list[str] = []
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a rank exited before it was ready:\n" + "".join(seen))
+            seen.append(line)
+            if line.startswith("READY"):
+                break
+        lines.append(seen)
+    return lines
+
+
+def trial(np_: int, workload: str, transport: str, freeze: bool, hang_after: float, rng: random.Random, extra: dict[str, str]) -> dict[str, object]:
+    """Runs one job, stops one rank in it, and reports how the others ended."""
+    procs = _start(np_, workload, transport, extra)
+    victim = rng.randrange(np_)
+    try:
+        _wait_ready(procs, 60.0)
+        time.sleep(rng.uniform(0.0, 0.3))
+        killed_at = time.monotonic()
+        os.kill(procs[victim].pid, signal.SIGSTOP if freeze else signal.SIGKILL)
+        outcomes: dict[int, dict[str, object]] = {}
+        deadline = killed_at + hang_after
+        for rank, proc in enumerate(procs):
+            if rank == victim:
+                continue
+            try:
+                output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                outcomes[rank] = {"hung": True}
+                continue
+            failed = [line for line in output.splitlines() if line.startswith("FAILED ")]
+            if failed:
+                record = json.loads(failed[-1][len("FAILED ") :])
+                outcomes[rank] = {
+                    "hung": False,
+                    "seconds": record["time"] - killed_at,
+                    "kind": record["kind"],
+                    "error": record["error"],
+                }
+            else:
+                outcomes[rank] = {"hung": False, "seconds": None, "kind": f"exit {proc.returncode}", "error": output[-2000:]}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"workload": workload, "transport": transport, "victim": victim, "np": np_, "outcomes": outcomes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=2, metavar=("OP", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--trials", type=int, default=50)
+    parser.add_argument("--np", type=int, default=3, help="ranks per job (a random count in 2..NP with --vary-np)")
+    parser.add_argument("--vary-np", action="store_true")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--freeze", action="store_true", help="SIGSTOP instead of SIGKILL")
+    parser.add_argument("--stall-check", type=float, help="HORA_STALL_CHECK_TIME_SECONDS for the ranks")
+    parser.add_argument("--stall-shutdown", type=float, help="HORA_STALL_SHUTDOWN_TIME_SECONDS for the ranks")
+    parser.add_argument("--hang-after", type=float, default=30.0, help="seconds after which a survivor counts as hung")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="write every trial's record here")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker[0], int(args.worker[1]))
+    rng = random.Random(args.seed)
+    extra = {}
+    if args.stall_check is not None:
+        extra["HORA_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check:g}"
+    if args.stall_shutdown is not None:
+        extra["HORA_STALL_SHUTDOWN_TIME_SECONDS"] = f"{args.stall_shutdown:g}"
+    workloads = args.workloads.split(",")
+    transports = args.transports.split(",")
+    records = []
+    for number in range(args.trials):
+        np_ = rng.randint(2, args.np) if args.vary_np else args.np
+        record = trial(np_, rng.choice(workloads), rng.choice(transports), args.freeze, args.hang_after, rng, extra)
+        records.append(record)
+        outcomes = record["outcomes"]
+        assert isinstance(outcomes, dict)
+        hung = [r for r, o in outcomes.items() if o["hung"]]
+        times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
+        kinds = sorted({str(o.get("kind")) for o in outcomes.values() if not o["hung"]})
+        last = f"{max(times) * 1e3:7.1f} ms" if times and not hung else "      -   "
+        print(
+            f"{number + 1:3d} np={np_} {record['workload']:18s} {record['transport']:3s} victim={record['victim']} "
+            f"last error after {last}  hung={hung or '-'}  {','.join(kinds)}",
+            flush=True,
+        )
+        if hung or any(k != "HoraInternalError" for k in kinds):
+            for rank, outcome in outcomes.items():
+                print(f"      rank {rank}: {json.dumps(outcome)[:600]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    lasts = []
+    hangs = 0
+    wrong = 0
+    for record in records:
+        outcomes = record["outcomes"]
+        assert isinstance(outcomes, dict)
+        if any(o["hung"] for o in outcomes.values()):
+            hangs += 1
+            continue
+        if any(o.get("kind") != "HoraInternalError" for o in outcomes.values()):
+            wrong += 1
+        times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
+        if times:
+            lasts.append(max(times))
+    print(f"\n{len(records)} trials: {hangs} with a hung survivor, {wrong} with another outcome than HoraInternalError")
+    if lasts:
+        print(
+            f"kill -> last survivor's error: median {statistics.median(lasts) * 1e3:.0f} ms, "
+            f"max {max(lasts) * 1e3:.0f} ms (over {len(lasts)} trials without a hang)"
+        )
+    return 1 if hangs or wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""A rank killed while the others move data: every survivor raises, naming it, and nobody hangs.
+
+The ranks start the way torchrun or an operator starts them (no horarun, so nothing
+stops a survivor but hora itself). The victim arms a SIGKILL at a precise point of
+the data plane (the k-th shared-memory barrier, TCP exchange or ring send of a large
+collective, right after a fast-lane proposal, right after announcing a tensor), so
+each case lands in the phase it names rather than wherever a timer happens to fall.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+
+MiB = 1 << 20
+
+
+def arm_kill(owner: Any, attribute: str, after: int, when: str = "before") -> None:
+    """Makes this process SIGKILL itself at the ``after``-th call of ``owner.attribute``
+    (``when="after"``: once that call has returned)."""
+    original = getattr(owner, attribute)
+    calls = itertools.count(1)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when == "before" and next(calls) == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(*args, **kwargs)
+        if when == "after" and result is not False and next(calls) == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(owner, attribute, wrapper)
+
+
+def _point(name: str) -> tuple[Any, str, str]:
+    from hora.engine.engine import Engine
+    from hora.engine.fast_lane import FastLane
+    from hora.transport import shm, tcp
+
+    return {
+        "shm barrier": (shm.Domain, "barrier", "before"),
+        "tcp exchange": (tcp, "exchange", "before"),
+        "ring send": (tcp.RingLinks, "send", "before"),
+        "lane proposal": (FastLane, "propose", "after"),
+        "announce": (Engine, "_announce", "after"),
+    }[name]
+
+
+def data_phase_job(op: str, nbytes: int, victim: int, point: str, after: int) -> str:
+    import hora.numpy as hvd
+
+    hvd.init()
+    size = hvd.size()
+    count = max(1, nbytes // 4)
+    data = np.ones(count - count % size if op in ("alltoall", "reducescatter") else count, np.float32)
+    group = [np.ones(count // 16, np.float32) for _ in range(16)]
+
+    def step() -> None:
+        if op == "allreduce":
+            hvd.allreduce_(data, name="x")
+        elif op == "allgather":
+            hvd.allgather(data, name="x")
+        elif op == "broadcast":
+            hvd.broadcast_(data, root_rank=size - 1, name="x")
+        elif op == "alltoall":
+            hvd.alltoall(data, name="x")
+        elif op == "reducescatter":
+            hvd.reducescatter(data, name="x")
+        elif op == "grouped":
+            hvd.grouped_allreduce_(group, name="x")
+        else:
+            raise AssertionError(op)
+
+    for _ in range(3):  # warm up: connections, segments, the response cache
+        step()
+    if hvd.rank() == victim:
+        owner, attribute, when = _point(point)
+        arm_kill(owner, attribute, after, when)
+    start = time.monotonic()
+    try:
+        for _ in range(20):
+            step()
+    except hvd.HoraInternalError as exc:
+        return f"{time.monotonic() - start:.3f}\n{exc}"
+    return "no error"
+
+
+CASES = [
+    # op, bytes, transport, ranks, victim, kill point, at the k-th call
+    ("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 7),
+    ("allreduce", 64 * MiB, "tcp", 3, 2, "ring send", 20),
+    ("allreduce", 256 << 10, "shm", 2, 1, "shm barrier", 1),
+    ("allreduce", 256 << 10, "tcp", 4, 0, "tcp exchange", 2),
+    ("allgather", 16 * MiB, "shm", 3, 0, "shm barrier", 4),
+    ("allgather", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
+    ("broadcast", 64 * MiB, "shm", 3, 2, "shm barrier", 5),
+    ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
+    ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
+    ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
+    ("reducescatter", 16 * MiB, "shm", 3, 1, "shm barrier", 3),
+    ("reducescatter", 16 * MiB, "tcp", 3, 0, "tcp exchange", 2),
+    ("grouped", 16 * MiB, "shm", 3, 2, "shm barrier", 3),
+    ("grouped", 16 * MiB, "tcp", 2, 1, "ring send", 5),
+    ("allreduce", 4, "shm", 3, 1, "lane proposal", 1),
+    ("allreduce", 4, "shm", 3, 0, "announce", 1),
+    ("allgather", 1 * MiB, "tcp", 3, 2, "announce", 1),
+]
+
+
+@pytest.mark.parametrize(
+    "op, nbytes, transport, size, victim, point, after",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}-{c[2]}-np{c[3]}-{c[5].replace(' ', '_')}" for c in CASES],
+)
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_collective_fails_every_survivor(op, nbytes, transport, size, victim, point, after):
+    env = {"HORA_SHARED_MEMORY": "1" if transport == "shm" else "0"}
+    results = run_ranks(
+        size, data_phase_job, op, nbytes, victim, point, after, env=env, check=False, launcher="torchrun", timeout=90
+    )
+    for result in results:
+        if result.rank == victim:
+            assert result.returncode == -signal.SIGKILL, result.output + (result.error or "")
+            continue
+        assert result.returncode == 0, result.output + (result.error or "")
+        seconds, message = result.value.split("\n", 1)
+        assert f"rank {victim}" in message and "was lost" in message and "on host" in message, message
+        assert float(seconds) < 10.0, result.value
+
+
+def hierarchical_job(victim: int, point: str, after: int) -> str:
+    return data_phase_job("allreduce", 16 * MiB, victim, point, after)
+
+
+@pytest.mark.parametrize("victim, point, after", [(1, "shm barrier", 3), (2, "ring send", 4)])
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_hierarchical_allreduce_fails_every_survivor(victim, point, after):
+    # Two emulated hosts of two ranks: shared memory within each, the TCP ring across.
+    results = run_ranks(4, hierarchical_job, victim, point, after, hosts=["a", "a", "b", "b"], check=False, timeout=90)
+    for result in results:
+        if result.rank == victim:
+            assert result.returncode == -signal.SIGKILL, result.output + (result.error or "")
+            continue
+        assert result.returncode == 0, result.output + (result.error or "")
+        seconds, message = result.value.split("\n", 1)
+        assert f"rank {victim}" in message and "was lost" in message, message
+        assert float(seconds) < 10.0, result.value
