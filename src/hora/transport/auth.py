@@ -27,6 +27,7 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 SECRET_BYTES = 32
 HANDSHAKE_TIMEOUT = 10.0
+REPLY_BYTES = len(MAGIC) + NONCE_BYTES + MAC_BYTES  # the connector's answer, step 2
 
 
 def new_secret() -> bytes:
@@ -53,6 +54,47 @@ def _check_magic(data: bytes) -> None:
         raise AuthenticationError("the peer does not speak hora's protocol (bad magic bytes)")
 
 
+class Challenge:
+    """The acceptor's side of the challenge, without any I/O.
+
+    For a caller that drives many connections at once on non-blocking sockets: send
+    ``greeting()``, read exactly ``REPLY_BYTES``, and send what ``answer`` returns.
+    ``accept_handshake`` runs the same steps on one blocking socket.
+
+    Args:
+        secret: the job secret.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._nonce = os.urandom(NONCE_BYTES)  # fresh per connection: a recorded answer never replays
+
+    def greeting(self) -> bytes:
+        """Returns step 1: the magic and this side's nonce."""
+        return MAGIC + self._nonce
+
+    def answer(self, reply: bytes) -> bytes:
+        """Checks the connector's reply (step 2) and returns this side's proof (step 3).
+
+        Args:
+            reply: exactly ``REPLY_BYTES`` bytes from the connector.
+
+        Returns:
+            The acceptor's MAC, to send back.
+
+        Raises:
+            AuthenticationError: the reply is not hora's, or the peer does not hold the secret.
+        """
+        if len(reply) != REPLY_BYTES:
+            raise AuthenticationError(f"the peer's answer has {len(reply)} bytes, not {REPLY_BYTES}")
+        _check_magic(reply[: len(MAGIC)])
+        theirs = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
+        mac = reply[len(MAGIC) + NONCE_BYTES :]
+        if not hmac.compare_digest(mac, _mac(self._secret, b"connector", self._nonce, theirs)):
+            raise AuthenticationError("the peer failed the challenge: it does not hold this job's secret")
+        return _mac(self._secret, b"acceptor", theirs, self._nonce)
+
+
 def accept_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
     """Runs the acceptor's side of the challenge on a blocking socket.
 
@@ -67,15 +109,9 @@ def accept_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSH
     previous = sock.gettimeout()
     sock.settimeout(timeout)
     try:
-        mine = os.urandom(NONCE_BYTES)
-        sock.sendall(MAGIC + mine)
-        reply = _recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES)
-        _check_magic(reply[: len(MAGIC)])
-        theirs = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
-        mac = reply[len(MAGIC) + NONCE_BYTES :]
-        if not hmac.compare_digest(mac, _mac(secret, b"connector", mine, theirs)):
-            raise AuthenticationError("the peer failed the challenge: it does not hold this job's secret")
-        sock.sendall(_mac(secret, b"acceptor", theirs, mine))
+        challenge = Challenge(secret)
+        sock.sendall(challenge.greeting())
+        sock.sendall(challenge.answer(_recv_exact(sock, REPLY_BYTES)))
     except (TimeoutError, socket.timeout):
         raise AuthenticationError(f"the peer did not complete the handshake within {timeout:g} s") from None
     except (ConnectionError, OSError) as exc:
