@@ -6,7 +6,16 @@
 then names the keys (hence the ranks) that never arrived.
 
 Frames (see ``tcp.FRAME_HEADER``), after the HMAC handshake:
-``PUT key value`` -> ``OK``; ``WAIT timeout [keys]`` -> ``VALUES [values]`` or ``MISSING [keys]``.
+``PUT key value`` -> ``OK``; ``WAIT timeout [keys]`` -> ``VALUES [values]`` or ``MISSING [keys]``;
+either may be answered ``ERROR message`` (a value out of range, e.g. a timeout that is not a
+finite number of seconds >= 0), and the connection stays usable.
+
+Limits, checked by the client before it sends and by the server before it reads a payload
+(``FRAME_LIMITS``): a key is at most ``MAX_KEY`` bytes, a value at most ``MAX_VALUE`` (what
+hora stores is far smaller: a rank's host, address, port and machine id), a WAIT names at
+most ``MAX_KEYS`` keys in at most ``MAX_WAIT_REQUEST`` bytes, and waits at most ``MAX_WAIT``
+seconds (the client clamps a longer or infinite timeout; the server answers ERROR to one
+that is NaN, negative or infinite, and clamps a longer finite one).
 """
 
 from __future__ import annotations
@@ -22,7 +31,16 @@ VALUES = 11
 MISSING = 12
 ERROR = 13
 
-MAX_KEYS = 1 << 20
+MAX_KEY = 4096  # bytes; hora's keys are like "mesh/<generation>/<rank>"
+MAX_VALUE = 1 << 20  # bytes; hora's values are records of a few hundred bytes
+MAX_KEYS = 1 << 18  # keys in one WAIT: one per rank
+MAX_WAIT_REQUEST = 4 << 20  # bytes of a WAIT's payload: room for ~200,000 ranks' keys
+MAX_WAIT = 7 * 24 * 3600.0  # seconds one WAIT may last: "forever" for a job's start-up
+_PUT_REQUEST = 4 + MAX_KEY + 4 + MAX_VALUE
+
+# The largest payload the server reads for each request kind; any other kind is refused.
+FRAME_LIMITS = {PUT: _PUT_REQUEST, WAIT: MAX_WAIT_REQUEST}
+REQUEST_NAMES = {PUT: "PUT", WAIT: "WAIT"}
 
 
 def encode_keys(keys: list[str]) -> Writer:
@@ -34,6 +52,23 @@ def encode_keys(keys: list[str]) -> Writer:
 
 def decode_keys(reader: Reader) -> list[str]:
     return [reader.string() for _ in range(reader.count(MAX_KEYS))]
+
+
+def check_wait_timeout(timeout: float) -> float:
+    """Returns the seconds a WAIT with ``timeout`` lasts: ``timeout``, at most ``MAX_WAIT``.
+
+    Args:
+        timeout: the requested seconds.
+
+    Returns:
+        ``min(timeout, MAX_WAIT)``.
+
+    Raises:
+        ValueError: ``timeout`` is NaN, negative or infinite; the message names it.
+    """
+    if not 0 <= timeout < float("inf"):
+        raise ValueError(f"invalid wait timeout {timeout!r}: a WAIT takes a finite number of seconds >= 0")
+    return min(timeout, MAX_WAIT)
 
 
 class RendezvousTimeout(TimeoutError):
@@ -77,7 +112,19 @@ class RendezvousClient:
         return str(self._sock.getsockname()[0])
 
     def put(self, key: str, value: bytes) -> None:
-        """Stores ``value`` under ``key`` (replacing an earlier value)."""
+        """Stores ``value`` under ``key`` (replacing an earlier value).
+
+        Raises:
+            ValueError: the key is longer than ``MAX_KEY`` bytes or the value longer than
+                ``MAX_VALUE``.
+            ProtocolError: the server refused the request.
+        """
+        encoded = key.encode("utf-8")
+        if len(encoded) > MAX_KEY or len(value) > MAX_VALUE:
+            raise ValueError(
+                f"rendezvous put of key {key[:80]!r} ({len(encoded)} bytes) and a value of {len(value)} bytes: "
+                f"keys are limited to {MAX_KEY} bytes and values to {MAX_VALUE}"
+            )
         tcp.send_frame_blocking(self._sock, PUT, Writer().string(key).blob(value).bytes())
         kind, payload = tcp.recv_frame_blocking(self._sock)
         self._expect(kind, payload, OK)
@@ -85,11 +132,25 @@ class RendezvousClient:
     def wait(self, keys: list[str], timeout: float) -> list[bytes]:
         """Returns the values of ``keys``, waiting up to ``timeout`` for all of them.
 
+        Args:
+            keys: the keys to wait for.
+            timeout: seconds; one above ``MAX_WAIT`` (or infinite) waits ``MAX_WAIT``.
+
         Raises:
+            ValueError: ``timeout`` is NaN or negative, or ``keys`` exceed the request limits.
             RendezvousTimeout: some keys were still missing at the deadline.
+            ProtocolError: the server refused the request.
         """
+        if not timeout >= 0:
+            raise ValueError(f"invalid rendezvous wait timeout {timeout!r}: a number of seconds >= 0")
+        timeout = min(timeout, MAX_WAIT)
         request = Writer().f64(timeout)
         request.buffer += encode_keys(keys).buffer
+        if len(keys) > MAX_KEYS or len(request.buffer) > MAX_WAIT_REQUEST:
+            raise ValueError(
+                f"rendezvous wait for {len(keys)} keys ({len(request.buffer)} bytes): a WAIT is limited to "
+                f"{MAX_KEYS} keys and {MAX_WAIT_REQUEST} bytes"
+            )
         self._sock.settimeout(timeout + 30.0)
         try:
             tcp.send_frame_blocking(self._sock, WAIT, request.bytes())
