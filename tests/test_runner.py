@@ -244,6 +244,34 @@ def test_failing_rank_is_named_first_with_its_stderr_tail() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_crashed_rank_s_whole_traceback_leads_the_summary() -> None:
+    """Twelve nested calls make a traceback of 26 lines: a ten-line tail would start mid-traceback."""
+    source = """
+        import os, sys, time
+        if os.environ["HORA_RANK"] == "1":
+            print("loading", file=sys.stderr)
+            def ping(level):
+                if level == 0:
+                    raise ValueError("boom at the bottom")
+                pong(level - 1)
+            def pong(level):
+                ping(level)
+            ping(12)
+        time.sleep(30)
+    """
+    result = horarun("-np", "2", *script(source))
+    assert result.returncode == 1
+    traceback = rank_lines(result.stderr, 1, "stderr")[1:]
+    assert traceback[0] == "Traceback (most recent call last):" and traceback[-1] == "ValueError: boom at the bottom"
+    assert len(traceback) > 20
+    summary = [line for line in result.stderr.splitlines() if not line.startswith("[")]
+    assert summary[0].startswith("horarun: rank 1 failed first: exit code 1 (host localhost, pid ")
+    assert summary[1] == "horarun: rank 1's last traceback (from its stderr):"
+    assert summary[2 : 2 + len(traceback)] == ["    " + line for line in traceback]
+    assert summary[2 + len(traceback)] == "horarun: the other ranks:"
+
+
+@pytest.mark.timeout(30)
 def test_rank_killed_by_signal_stops_the_others_and_their_children() -> None:
     source = """
         import os, signal, subprocess, sys, time
@@ -294,6 +322,47 @@ def test_signal_to_horarun_stops_every_rank(signum: int) -> None:
     assert f"interrupted by {signal.Signals(signum).name}" in stderr
     assert stderr.count("stopped by SIGTERM") == 3
     assert wait_gone(pids) == []
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_horarun_stops_its_silent_local_ranks(tmp_path: Path) -> None:
+    """Ranks that write nothing never meet a closed pipe; rank 0 ignores SIGTERM, and each
+    rank's child stands for what a wrapper script or a data loader starts."""
+    source = """
+        import os, signal, subprocess, sys, time
+        rank = int(os.environ["HORA_RANK"])
+        if rank == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        with open(os.path.join(sys.argv[1], f"rank{rank}.tmp"), "w") as handle:
+            handle.write(f"{os.getpid()} {child.pid}")
+        os.rename(os.path.join(sys.argv[1], f"rank{rank}.tmp"), os.path.join(sys.argv[1], f"rank{rank}"))
+        time.sleep(60)
+    """
+    launcher = subprocess.Popen(
+        [PY, "-m", "hora.runner", "-np", "2", *script(source), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"rank{rank}").exists() for rank in range(2)):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        pids = [int(pid) for rank in range(2) for pid in (tmp_path / f"rank{rank}").read_text().split()]
+        launcher.kill()
+        assert launcher.wait(10) == -signal.SIGKILL
+        # SIGTERM at once, SIGKILL after the default 5 s grace for rank 0, which ignores SIGTERM.
+        assert wait_gone(pids, timeout=20) == []
+        assert launcher.stderr is not None
+        assert b"is gone without stopping its ranks: stopping its 2 local ranks" in launcher.stderr.read()
+    finally:
+        for pid in pids:  # never leave them behind, even when the test fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.timeout(30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import signal
@@ -17,6 +18,7 @@ from hora.runner.job import Job, JobResult, RankOutcome
 from hora.runner.output import Sink, StreamForwarder, rank_dir
 from hora.runner.settings import LaunchSettings, Tuning, rank_env
 from hora.runner.summary import failure_lines
+from hora.runner.tracebacks import LastTraceback
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -135,3 +137,30 @@ def test_summary_of_a_detail_replacing_the_tail() -> None:
         "horarun: the other ranks:",
         "    rank 0 (host localhost, pid 10): had finished (exit code 0)",
     ]
+
+
+def test_summary_shows_the_last_traceback_then_what_followed_it() -> None:
+    slots = plan(2)
+    caught = LastTraceback(("Traceback (most recent call last):", '  File "t.py", line 1', "KeyError: 'x'"), ("bye",), 12)
+    result = JobResult(
+        ranks=(
+            RankOutcome(slots[0], 10, 1, 0.1, (), ("KeyError: 'x'", "bye"), traceback=caught),
+            RankOutcome(slots[1], 11, -signal.SIGTERM, 0.3, (signal.SIGTERM,), ()),
+        ),
+        first_failure=0,
+    )
+    assert failure_lines(result) == [
+        "horarun: rank 0 failed first: exit code 1 (host localhost, pid 10, 0.10 s after start)",
+        "horarun: rank 0's last traceback (from its stderr):",
+        "    Traceback (most recent call last):",
+        '      File "t.py", line 1',
+        "    KeyError: 'x'",
+        "horarun: rank 0 wrote 12 more lines to stderr after it; the last 1:",
+        "    bye",
+        "horarun: the other ranks:",
+        "    rank 1 (host localhost, pid 11): stopped by SIGTERM",
+    ]
+    whole = dataclasses.replace(caught, after_count=1)
+    ranks = (dataclasses.replace(result.ranks[0], traceback=whole), result.ranks[1])
+    lines = failure_lines(dataclasses.replace(result, ranks=ranks))
+    assert lines[5] == "horarun: rank 0 wrote 1 more line to stderr after it:"

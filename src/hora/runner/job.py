@@ -5,7 +5,9 @@
 1. a fresh secret and a ``RendezvousServer`` (stopped at the end), on ``127.0.0.1`` when
    every host is this machine, else on every interface (``hora.runner.placement``);
 2. one ``Worker`` per rank, each in its own process group (on a remote host, under
-   ``hora.runner.remote`` started over ssh), with its output forwarded;
+   ``hora.runner.remote`` started over ssh), with its output forwarded; each local rank's
+   group is handed to the job's ``Lifeline`` (``hora.runner.lifeline``), whose guardian
+   stops them if ``horarun`` dies without doing so (even by SIGKILL);
 3. a watch loop on one event queue fed by the waiter threads (a rank exited) and,
    when ``handle_signals`` is on, by SIGINT/SIGTERM/SIGHUP handlers.
 
@@ -18,7 +20,9 @@ reach the user). Then every rank's process group gets SIGTERM; ranks still runni
 after ``GRACE_PERIOD`` seconds (or at once, on a second signal) get SIGKILL, and the job
 waits until every rank is reaped. No rank outlives ``Job.run``, and neither does anything
 a rank started: what is left of each rank's process group gets SIGKILL at the end (on a
-remote host its supervisor does the same).
+remote host its supervisor does the same). Nor does any outlive the launcher's process:
+if it dies before ``Job.run`` returns, the lifeline's guardian (here) and the supervisors
+(on other hosts) stop every rank.
 
 Invariant: only the thread that calls ``run`` signals ranks or changes the job's
 state; the other threads only post events and record exits.
@@ -38,10 +42,12 @@ from types import FrameType
 
 from hora.runner import hosts
 from hora.runner.hosts import SlotInfo
+from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink
 from hora.runner.placement import Placement, plan_placement
 from hora.runner.settings import LaunchSettings, rank_env, remote_env
 from hora.runner.ssh import SshSettings, remote_python_command
+from hora.runner.tracebacks import LastTraceback
 from hora.runner.workers import Event, RemoteLaunch, Worker, signal_name
 from hora.transport import auth
 from hora.transport.rendezvous_server import RendezvousServer
@@ -70,6 +76,8 @@ class RankOutcome:
         stderr_tail: the last lines it wrote to stderr.
         remote: it ran on another host, over ssh.
         lost: its ssh connection ended without word from the host (host or network lost).
+        traceback: the last Python traceback it wrote to stderr, whole (or cut in its
+            middle when long), and what it wrote after it; None if it wrote none.
     """
 
     slot: SlotInfo
@@ -80,6 +88,7 @@ class RankOutcome:
     stderr_tail: tuple[str, ...]
     remote: bool = False
     lost: bool = False
+    traceback: LastTraceback | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +170,7 @@ class Job:
         self._start = time.monotonic()
         self._stop_time: float | None = None
         self._running_at_stop: tuple[int, ...] = ()
+        self._lifeline: Lifeline | None = None
 
     def run(self, timeout: float | None = None, handle_signals: bool = False) -> JobResult:
         """Runs the job to its end and stops every rank before returning.
@@ -181,6 +191,7 @@ class Job:
         timed_out = False
         start_error: str | None = None
         try:
+            self._lifeline = self._start_lifeline()
             with self._signals(handle_signals):
                 if self._settings.verbose:
                     self._print_plan(server.port)
@@ -198,10 +209,25 @@ class Job:
             server.stop()
             for worker in self._workers:
                 worker.kill_leftovers()
+            if self._lifeline is not None:
+                self._lifeline.close()  # only now: every rank was reaped, its group killed
         output_deadline = time.monotonic() + _OUTPUT_TIMEOUT
         for worker in self._workers:
             worker.join_output(max(0.0, output_deadline - time.monotonic()))
         return self._result(interrupted, timed_out, start_error)
+
+    def _start_lifeline(self) -> Lifeline | None:
+        """Starts the guardian that stops local ranks if this process dies; None if it cannot."""
+        if all(self._placement.is_remote(slot.hostname) for slot in self._slots):
+            return None  # remote ranks have their supervisors
+        try:
+            return Lifeline.start(self._grace)
+        except OSError as exc:
+            self._stderr.line(
+                f"horarun: warning: cannot start the lifeline that stops this machine's ranks if horarun is killed "
+                f"({exc.strerror or exc}); a SIGKILL of horarun would leave them running"
+            )
+            return None
 
     @contextmanager
     def _signals(self, enabled: bool) -> Iterator[None]:
@@ -271,6 +297,8 @@ class Job:
                 program = "ssh" if remote is not None else " ".join(settings.command)
                 return f"cannot start rank {slot.rank} ({program!r}): {exc.strerror or exc}"
             self._workers.append(worker)
+            if remote is None and self._lifeline is not None:
+                self._lifeline.watch(worker.local_pid)  # its group: start_new_session made it the leader
         return None
 
     def _watch(self, deadline: float | None) -> tuple[int | None, bool]:
@@ -363,6 +391,7 @@ class Job:
                 stderr_tail=tuple(worker.stderr_tail),
                 remote=worker.remote,
                 lost=worker.lost,
+                traceback=worker.stderr_traceback,
             )
             for worker in self._workers
         )

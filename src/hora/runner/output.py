@@ -16,6 +16,9 @@ For a rank on another host the stream is ssh's, and the supervisor there
 (``hora.runner.remote``) writes control lines into stderr; a forwarder given a
 ``control`` callback takes them out and hands their data to it.
 
+The forwarder of a rank's stderr also keeps the last ``TAIL_LINES`` lines and the last
+Python traceback whole (``hora.runner.tracebacks``), for the failure summary.
+
 One reader thread per stream drains the rank's pipe (a pipe that is not drained
 would block the rank once the kernel buffer fills). ``Sink`` serialises writers so
 lines from different ranks never interleave mid-line.
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from typing import IO, Any, BinaryIO, TextIO
 
 from hora.runner.control import decode_marker
+from hora.runner.tracebacks import TracebackCatcher
 
 TAIL_LINES = 10  # lines of stderr kept per rank for the failure summary
 _CHUNK = 1 << 16
@@ -110,6 +114,10 @@ class StreamForwarder:
         timestamp: prefix each line with the local time.
         control: called with the data of each control line (``hora.runner.remote``),
             which is then not forwarded; None forwards every line.
+
+    Attributes:
+        tail: the last ``TAIL_LINES`` lines that are not blank.
+        traceback: the stream's last Python traceback (a stderr forwarder only, else None).
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class StreamForwarder:
         self._copy = copy
         self._timestamp = timestamp
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.traceback = TracebackCatcher() if name == "stderr" else None
         self._thread = threading.Thread(target=self._run, name=f"hora-rank{rank}-{name}", daemon=True)
 
     def start(self) -> StreamForwarder:
@@ -204,6 +213,8 @@ class StreamForwarder:
         self._sink.write(b"".join(head + line for line in lines))
         for line in lines:
             text = line.rstrip(b"\r\n").decode("utf-8", errors="replace")
+            if self.traceback is not None:
+                self.traceback.feed(text)
             if text.strip():
                 self.tail.append(text)
 

@@ -1,10 +1,13 @@
 """The report ``horarun`` prints when a job does not succeed, root cause first.
 
-A failed job reads like this (a rank exited with code 3, the others were stopped)::
+A failed job reads like this (a rank raised, the others were stopped)::
 
-    horarun: rank 1 failed first: exit code 3 (host localhost, pid 4242, 0.41 s after start)
-    horarun: last 2 lines of rank 1's stderr:
-        Traceback ...
+    horarun: rank 1 failed first: exit code 1 (host localhost, pid 4242, 0.41 s after start)
+    horarun: rank 1's last traceback (from its stderr):
+        Traceback (most recent call last):
+          File "train.py", line 12, in <module>
+            main()
+          ...
         ValueError: boom
     horarun: the other ranks:
         rank 0 (host localhost, pid 4241): stopped by SIGTERM
@@ -12,9 +15,12 @@ A failed job reads like this (a rank exited with code 3, the others were stopped
 
 The first line names the rank that failed on its own earliest, its host, pid (on that
 host) and exit code or signal, or, for a rank on another host whose ssh connection ended
-without word from the host, that the connection to the host was lost; the lines after it show what that rank last wrote to stderr (or the
-caller's ``detail``, e.g. the traceback ``hora.run`` collected); then one line per
-other rank says how it ended.
+without word from the host, that the connection to the host was lost. The lines after it
+show, when the rank wrote a Python traceback to stderr, its last one whole, from
+``Traceback (most recent call last):`` to the exception line (a long one is cut in its
+middle frames, and says so: ``hora.runner.tracebacks``), then the lines it wrote after
+it, if any; else the last lines of its stderr; or the caller's ``detail`` instead (e.g.
+the traceback ``hora.run`` collected). Then one line per other rank says how it ended.
 """
 
 from __future__ import annotations
@@ -66,6 +72,29 @@ def rank_status(rank: RankOutcome, grace: float) -> str:
     return f"stopped after SIGTERM ({describe_status(code)})"
 
 
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'s' if count != 1 else ''}"
+
+
+def _last_words(rank: RankOutcome) -> list[str]:
+    """What the root-cause rank last wrote to stderr: its last traceback whole, else its tail."""
+    number = rank.slot.rank
+    caught = rank.traceback
+    if caught is None:
+        tail = rank.stderr_tail
+        if not tail:
+            return [f"{PREFIX}rank {number} wrote nothing to stderr"]
+        heading = f"{PREFIX}last {_plural(len(tail), 'line')} of rank {number}'s stderr:"
+        return [heading, *(INDENT + line for line in tail)]
+    lines = [f"{PREFIX}rank {number}'s last traceback (from its stderr):", *(INDENT + line for line in caught.lines)]
+    if caught.after:
+        shown = "" if len(caught.after) == caught.after_count else f"; the last {len(caught.after)}"
+        more = _plural(caught.after_count, "more line")
+        lines.append(f"{PREFIX}rank {number} wrote {more} to stderr after it{shown}:")
+        lines.extend(INDENT + line for line in caught.after)
+    return lines
+
+
 def failure_lines(result: JobResult, detail: Sequence[str] | None = None, detail_title: str | None = None) -> list[str]:
     """Formats the report of a job that did not succeed.
 
@@ -88,13 +117,7 @@ def failure_lines(result: JobResult, detail: Sequence[str] | None = None, detail
         code = first.returncode if first.returncode is not None else 1
         lines.append(f"{PREFIX}rank {first.slot.rank} failed first: {_cause(first, code)} ({_where(first)}{when})")
         if detail is None:
-            tail = first.stderr_tail
-            if tail:
-                count = f"{len(tail)} line{'s' if len(tail) != 1 else ''}"
-                lines.append(f"{PREFIX}last {count} of rank {first.slot.rank}'s stderr:")
-                lines.extend(INDENT + line for line in tail)
-            else:
-                lines.append(f"{PREFIX}rank {first.slot.rank} wrote nothing to stderr")
+            lines.extend(_last_words(first))
         else:
             lines.append(f"{PREFIX}{detail_title or 'details'}:")
             lines.extend(INDENT + line for line in detail)

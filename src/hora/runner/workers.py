@@ -36,6 +36,7 @@ from typing import IO, Any, BinaryIO
 
 from hora.runner.hosts import SlotInfo
 from hora.runner.output import Sink, StreamForwarder, rank_dir
+from hora.runner.tracebacks import LastTraceback
 
 # Events posted to a job's queue: ("exit", rank) by waiters, ("signal", signum) by handlers.
 Event = tuple[str, int]
@@ -259,6 +260,12 @@ class Worker:
     def stderr_tail(self) -> list[str]:
         """The last lines (up to ``output.TAIL_LINES``) the rank wrote to stderr."""
         return list(self._forwarders[1].tail)
+
+    @property
+    def stderr_traceback(self) -> LastTraceback | None:
+        """The last Python traceback the rank wrote to stderr, whole but bounded, or None."""
+        catcher = self._forwarders[1].traceback
+        return None if catcher is None else catcher.snapshot()
 
     def signal_group(self, signum: int) -> None:
         """Sends a signal to the rank's process group (the rank and what it started).
