@@ -23,21 +23,37 @@ from harness import run_ranks
 MiB = 1 << 20
 
 
-def arm_kill(owner: Any, attribute: str, after: int, when: str = "before") -> None:
+def arm_kill(owner: Any, attribute: str, after: int, when: str = "before", then: Any = None) -> None:
     """Makes this process SIGKILL itself at the ``after``-th call of ``owner.attribute``
-    (``when="after"``: once that call has returned)."""
+    (``when="after"``: once that call has returned); ``then``, when given, runs instead
+    of the kill."""
     original = getattr(owner, attribute)
     calls = itertools.count(1)
+    act = then or (lambda: os.kill(os.getpid(), signal.SIGKILL))
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if when == "before" and next(calls) == after:
-            os.kill(os.getpid(), signal.SIGKILL)
+            act()
         result = original(*args, **kwargs)
         if when == "after" and result is not False and next(calls) == after:
-            os.kill(os.getpid(), signal.SIGKILL)
+            act()
         return result
 
     setattr(owner, attribute, wrapper)
+
+
+def freeze(seconds: float) -> None:
+    """Stops this process (SIGSTOP); a helper continues it after ``seconds``, or kills it
+    when ``seconds`` is negative (after the others are done)."""
+    import subprocess
+    import sys
+
+    action = f"os.kill({os.getpid()}, signal.SIGCONT)" if seconds >= 0 else f"os.kill({os.getpid()}, signal.SIGKILL)"
+    subprocess.Popen(
+        [sys.executable, "-c", f"import os, signal, time; time.sleep({abs(seconds)}); {action}"],
+        start_new_session=True,
+    )
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _point(name: str) -> tuple[Any, str, str]:
@@ -54,7 +70,7 @@ def _point(name: str) -> tuple[Any, str, str]:
     }[name]
 
 
-def data_phase_job(op: str, nbytes: int, victim: int, point: str, after: int) -> str:
+def data_phase_job(op: str, nbytes: int, victim: int, point: str, after: int, frozen: float | None = None) -> str:
     import hora.numpy as hvd
 
     hvd.init()
@@ -83,13 +99,15 @@ def data_phase_job(op: str, nbytes: int, victim: int, point: str, after: int) ->
         step()
     if hvd.rank() == victim:
         owner, attribute, when = _point(point)
-        arm_kill(owner, attribute, after, when)
+        arm_kill(owner, attribute, after, when, None if frozen is None else lambda: freeze(frozen))
     start = time.monotonic()
     try:
-        for _ in range(20):
+        for _ in range(20 if frozen is None else 3):
             step()
     except hvd.HoraInternalError as exc:
         return f"{time.monotonic() - start:.3f}\n{exc}"
+    if op == "allreduce":  # the last of six in-place Average allreduces of ones
+        assert np.all(data == 1.0), data[:4]
     return "no error"
 
 
@@ -153,3 +171,42 @@ def test_a_rank_killed_mid_hierarchical_allreduce_fails_every_survivor(victim, p
         seconds, message = result.value.split("\n", 1)
         assert f"rank {victim}" in message and "was lost" in message, message
         assert float(seconds) < 10.0, result.value
+
+
+FREEZES = [("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5), ("allgather", 16 * MiB, "tcp", 3, 2, "tcp exchange", 1)]
+
+
+@pytest.mark.parametrize("op, nbytes, transport, size, victim, point, after", FREEZES, ids=["shm", "tcp"])
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_mid_collective_is_reported_then_ends_the_job(op, nbytes, transport, size, victim, point, after):
+    env = {
+        "HORA_SHARED_MEMORY": "1" if transport == "shm" else "0",
+        "HORA_STALL_CHECK_TIME_SECONDS": "1",
+        "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3",
+    }
+    # Frozen for good (a helper kills it once the others are done).
+    results = run_ranks(
+        size, data_phase_job, op, nbytes, victim, point, after, -12.0, env=env, check=False, launcher="torchrun", timeout=90
+    )
+    for result in results:
+        if result.rank == victim:
+            continue
+        assert result.returncode == 0, result.output + (result.error or "")
+        seconds, message = result.value.split("\n", 1)
+        assert f"for rank(s) {victim}, which stopped making progress" in message, message
+        assert "shutting the job down after 3 s" in message, message
+        assert 2.5 < float(seconds) < 10.0, result.value
+    warnings = "".join(r.output for r in results if r.rank != victim)
+    assert f"has waited 1 s in its data phase for rank(s) {victim}" in warnings, warnings
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_for_less_than_the_check_time_completes_normally():
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "3", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "6"}
+    results = run_ranks(
+        3, data_phase_job, "allreduce", 16 * MiB, 1, "shm barrier", 3, 1.0, env=env, check=False, launcher="torchrun", timeout=90
+    )
+    for result in results:
+        assert result.returncode == 0, result.output + (result.error or "")
+        assert result.value == "no error", result.value
+        assert "stopped making progress" not in result.output

@@ -65,7 +65,7 @@ from hora.engine.mpi_collectives import MpiWorld
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.shm_group import ShmGroup
-from hora.engine.stall import StalledError, StallInspector
+from hora.engine.stall import DataPhaseStall, StalledError, StallInspector
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 from hora.transport.mesh import Mesh
@@ -123,7 +123,15 @@ class Engine:
         )
         self._stall = StallInspector(config) if self._coordinator is not None else None
         self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
-        self._watch = Watch(list(self._links.values()), self._check_urgent)
+        self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
+        data_stall = DataPhaseStall(StallInspector(config), self.rank, self._executor.describe)
+        self._watch = Watch(
+            list(self._links.values()),
+            self._check_urgent,
+            data=mesh.data if mesh is not None else None,
+            stall_after=data_stall.first_check,
+            on_stall=data_stall,
+        )
         self._domain = domain
         self._sharing = sharing or [False] * self.size
         # Unset: hierarchical allreduce/allgather wherever the layout suits it; set: forced on or off.
@@ -134,7 +142,6 @@ class Engine:
         self._collectives: dict[tuple[int, ...], Collectives] = {}
         # HORA_TRANSPORT=mpi: data through MPI communicators (made collectively now).
         self._mpi = MpiWorld(self.rank, self.size) if config.transport == "mpi" else None
-        self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         self._responses: deque[Response] = deque()
         # Every rank on this machine, the cache on, the built-in transport: cached small
         # allreduces may skip the coordinator (hora.engine.fast_lane).

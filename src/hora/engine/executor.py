@@ -56,6 +56,7 @@ class Executor:
         self.timeline: Timeline | None = None  # set while rank 0 records one
         self._fusion = np.empty(0, dtype=np.uint8)
         self.running: list[Entry] = []  # the entries the response being executed took
+        self.current: Response | None = None  # the response being executed, for messages
 
     def run(self, response: Response) -> None:
         """Executes one response and completes the handles of its tensors.
@@ -64,6 +65,7 @@ class Executor:
             HoraInternalError: a peer was lost mid-collective (the job fails).
         """
         self.running.clear()  # the previous response finished: its handles are complete
+        self.current = response
         kind = response.type
         if kind in (ResponseType.ERROR, ResponseType.ABORTED):
             error_type = CollectiveMismatchError if kind == ResponseType.ERROR else HoraInternalError
@@ -136,6 +138,18 @@ class Executor:
             if index < len(response.cache_ids):
                 self.cache.learn(entry.request, response.cache_ids[index])
         return entry
+
+    def describe(self) -> str:
+        """Names the collective being executed, e.g. ``allreduce 'grad'`` (for messages)."""
+        response = self.current
+        if response is None:
+            return "a collective"
+        label = response.type.name.lower()
+        first = response.names[0] if response.names else "?"
+        if first.startswith(label + "."):
+            first = first[len(label) + 1 :]
+        more = f" (fused with {len(response.names) - 1} more)" if len(response.names) > 1 else ""
+        return f"{label} '{first}'{more}"
 
     def abandon(self, error_for: Callable[[Entry], BaseException]) -> None:
         """Fails the handles of the response that was cut short (a completed one ignores it)."""

@@ -41,7 +41,6 @@ Invariants:
 
 from __future__ import annotations
 
-import _thread
 import time
 
 from hora.collectives.reduce import DataType, Reducer, reducer, scale
@@ -102,7 +101,6 @@ class FastLane:
         self._peer_headers = [[headers[rank][slot] for rank in self._peers] for slot in (0, 1)]
         self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
         self._reducers: dict[tuple[int, DataType], Reducer] = {}
-        self._fence_lock = _thread.allocate_lock()
         self.pending: _Proposal | None = None
         self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
         self._left = False
@@ -296,8 +294,7 @@ class FastLane:
 
     def _fence(self) -> None:
         """A full memory fence: this rank's stores so far are visible before its next loads."""
-        self._fence_lock.acquire()
-        self._fence_lock.release()
+        self._domain.fence()
 
     def leave(self) -> None:
         """Marks this rank gone: others stop proposing, and fail what waits for it."""

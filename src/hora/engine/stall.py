@@ -6,13 +6,19 @@ each missing rank and the tensors it has not submitted; past
 ``HORA_STALL_SHUTDOWN_TIME_SECONDS`` (when set above the warning time) it fails the
 job so that every rank raises instead of hanging. It only wakes the engine while
 something waits; an idle engine has no timer.
+
+The data phase has a clock of its own on every rank (``DataPhaseStall``): once every
+member has submitted a collective, its transfers wait only for peers that are running
+it, so a wait that makes no progress for the warning time means a peer stopped
+(frozen by SIGSTOP, swapping, a wedged driver). The rank that waits names those peers,
+with the same warning and shutdown times.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hora.config import Config
 from hora.engine.coordinator import Coordinator, Stall
@@ -92,3 +98,41 @@ class StallInspector:
         if now - self._last_warning >= self.warn_after:
             self._last_warning = now
             log.warning("%s", stall_report(stalls, self.warn_after))
+
+
+class DataPhaseStall:
+    """Reports a data-plane wait that made no progress (``hora.transport.tcp.Watch.on_stall``).
+
+    Args:
+        inspector: supplies the warning and shutdown times and the disable flag.
+        rank: this process's global rank, for messages.
+        describe: names the collective being executed, e.g. ``allreduce 'grad'``.
+    """
+
+    def __init__(self, inspector: StallInspector, rank: int, describe: Callable[[], str]) -> None:
+        self._inspector = inspector
+        self._rank = rank
+        self._describe = describe
+
+    @property
+    def first_check(self) -> float | None:
+        """Seconds without progress before the first report (None: stall checks are off)."""
+        return self._inspector.warn_after if self._inspector.enabled else None
+
+    def __call__(self, peers: Sequence[int], waited: float) -> float | None:
+        """Warns about the stall, or past the shutdown time raises; returns when to look again.
+
+        Raises:
+            StalledError: the wait lasted past the stall shutdown time.
+        """
+        who = ", ".join(map(str, peers)) or "?"
+        message = (
+            f"{self._describe()} has waited {waited:.0f} s in its data phase for rank(s) {who}, which "
+            "stopped making progress (a process frozen or stopped by a signal, swapping, or a wedged device)"
+        )
+        shutdown = self._inspector.shutdown_after
+        if shutdown is not None and waited >= shutdown:
+            raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
+        log.warning("hora: rank %d: %s; it resumes if they do", self._rank, message)
+        due = waited + self._inspector.warn_after
+        return due if shutdown is None else min(due, shutdown)

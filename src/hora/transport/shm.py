@@ -39,12 +39,13 @@ import os
 import platform
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hora.transport.tcp import Watch
+from hora.transport.tcp import CLOSED, LinkClosed, Patience, Watch
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64 * 1024  # room for 8,000 local ranks' counters, page aligned
@@ -168,6 +169,7 @@ class Domain:
             self.close()
             raise
         self._arrived = self.segments[me].counters  # row ``me``: written only by this rank
+        self._fence_lock = threading.Lock()
         self.watch: Watch | None = None
 
     def _address(self, rank: int) -> str:
@@ -206,7 +208,8 @@ class Domain:
         """Waits until every rank in ``peers`` (global ranks) has reached this barrier too.
 
         Raises:
-            Exception: whatever the control-link watch raises (an abort, a lost peer).
+            LinkClosed: a peer this barrier waits for died (its data link hung up).
+            Exception: whatever the watch raises (an abort, a stall past the shutdown time).
         """
         me = self.index
         indices = [self.ranks.index(p) for p in peers if p != self.me]
@@ -214,50 +217,80 @@ class Domain:
         for k in indices:
             self._arrived[k] += 1
             targets.append(int(self._arrived[k]))
+        # Store (my counters), fence, load (their sleeping flags): paired with the
+        # waiter's store (sleeping), fence, load (counters) in _wait, so at least one side
+        # sees the other's store and no wake-up is lost (x86-64 may otherwise let each
+        # load pass the earlier store: the store-buffering pattern).
+        self.fence()
         for k in indices:
             if self.segments[self.ranks[k]].counters[_SLEEPING]:
                 self.send_wake(self.ranks[k])
-        pending = [(self.segments[self.ranks[k]].counters, target) for k, target in zip(indices, targets)]
-        self._wait(lambda: all(counters[me] >= target for counters, target in pending))
+        pending = [(self.ranks[k], self.segments[self.ranks[k]].counters, target) for k, target in zip(indices, targets)]
+        if all(counters[me] >= target for _, counters, target in pending):
+            return
+        self._wait(
+            lambda: all(counters[me] >= target for _, counters, target in pending),
+            lambda: [rank for rank, counters, target in pending if counters[me] < target],
+        )
+
+    def fence(self) -> None:
+        """A full memory fence: this rank's stores so far are visible before its next loads
+        (a lock taken and released is a locked instruction on x86-64)."""
+        self._fence_lock.acquire()
+        self._fence_lock.release()
 
     def send_wake(self, rank: int) -> None:
         """Sends ``rank`` a wake-up byte (it then looks again at whatever it waits for)."""
         with contextlib.suppress(OSError):  # the peer's queue is full or it is gone: it re-checks anyway
             self._wake.sendto(b"\0", self._address(rank))
 
-    def _wait(self, check: Callable[[], bool]) -> None:
-        if check():
-            return
+    def _wait(self, check: Callable[[], bool], laggards: Callable[[], list[int]]) -> None:
+        """Spins briefly, then sleeps until ``check()`` holds.
+
+        While asleep it reads the watched control links, watches the data links of the
+        ``laggards()`` (the peers not yet arrived) for a hang-up, and reports a stall
+        through the watch's patience once it waited that long.
+
+        Raises:
+            LinkClosed: a peer it waits for died.
+            Exception: whatever the watch raises.
+        """
         deadline = time.perf_counter() + SPIN_SECONDS
         while time.perf_counter() < deadline:
             if check():
                 return
         sleeping = self.segments[self.me].counters
         timeout = _SLEEP_MIN_MS
-        poller = select.poll()
-        poller.register(self._wake.fileno(), select.POLLIN)
         watch = self.watch
-        if watch is not None:
-            for fd in watch.links:
-                poller.register(fd, select.POLLIN)
+        patience = Patience(watch)
+        masks = {self._wake.fileno(): select.POLLIN}
+        hang_ups = watch.register(masks, laggards()) if watch is not None else {}
+        poller = select.poll()
+        for fd, mask in masks.items():
+            poller.register(fd, mask)
         try:
             while True:
                 sleeping[_SLEEPING] = 1
+                self.fence()  # see barrier: store sleeping, fence, load counters
                 if check():
                     return
-                events = poller.poll(timeout)
+                stall_ms = patience.timeout_ms()
+                events = poller.poll(timeout if stall_ms is None else min(timeout, stall_ms))
                 # Back off only when no wake-up came: a missed wake-up costs at most this.
                 timeout = _SLEEP_MIN_MS if events else min(timeout * 2, _SLEEP_MAX_MS)
-                for fd, _ in events:
+                lost = None
+                for fd, revents in events:
                     if fd == self._wake.fileno():
                         self.drain_wake()
-                    elif watch is not None and fd in watch.links:
-                        link = watch.links[fd]
-                        if link.pump():
-                            if link.closed_by_peer:
-                                del watch.links[fd]
-                                poller.unregister(fd)
-                            watch.on_frame(link)
+                    elif watch is not None:
+                        if watch.service(fd, revents, hang_ups):
+                            lost = hang_ups[fd]
+                        elif fd not in watch.links and fd not in hang_ups:
+                            poller.unregister(fd)  # a control link at EOF: readable for ever
+                if lost is not None and not check():
+                    raise LinkClosed(lost, CLOSED)
+                if not events:
+                    patience.check(laggards)
         finally:
             sleeping[_SLEEPING] = 0
 

@@ -19,7 +19,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hora.errors import ProtocolError
 
@@ -239,22 +239,114 @@ class Link:
 
 
 class Watch:
-    """Links whose control frames must keep flowing while an exchange waits.
+    """What every data-plane wait keeps an eye on besides its own transfer.
 
-    An exchange that blocks also reads these links, so a message (an abort, a request)
-    is seen even mid-collective and a peer's control socket never fills up. ``on_frame``
-    is called after new frames arrive or the peer closes, and may raise to abandon
-    the exchange.
+    * Control links: an exchange that blocks also reads these, so a message (an abort,
+      a request) is seen even mid-collective and a peer's control socket never fills
+      up. ``on_frame`` is called after new frames arrive or the peer closes, and may
+      raise to abandon the wait.
+    * Peers' data links (``data``, by global rank): a wait that depends on a peer also
+      watches that peer's link for a hang-up (``POLLRDHUP``, nothing is read), so a
+      peer that dies is noticed by whoever waits for it, even when the wait itself
+      moves no bytes on that link (a shared-memory barrier).
+    * Patience: a wait that has made no progress for ``stall_after`` seconds calls
+      ``on_stall(peers, seconds)`` with the peers it waits for; that reports the stall
+      and returns how long the wait may go on before the next call (None: never), or
+      raises to end it.
+
+    Invariant: one thread at a time runs data-plane waits (the one in an engine pass),
+    so nothing here needs a lock.
     """
 
-    def __init__(self, links: Sequence[Link], on_frame: Callable[[Link], None]) -> None:
+    def __init__(
+        self,
+        links: Sequence[Link],
+        on_frame: Callable[[Link], None],
+        data: Mapping[int, Link] | None = None,
+        stall_after: float | None = None,
+        on_stall: Callable[[Sequence[int], float], float | None] | None = None,
+    ) -> None:
         self.links = {link.fileno(): link for link in links}
         self.on_frame = on_frame
+        self.data = dict(data or {})
+        self.stall_after = stall_after if on_stall is not None else None
+        self.on_stall = on_stall
+
+    def register(self, masks: dict[int, int], peers: Iterable[int] = ()) -> dict[int, Link]:
+        """Adds the control links, and the data links of ``peers`` (for a hang-up), to a
+        poll mask table; returns the data links it added, by file descriptor."""
+        for fd in self.links:
+            masks[fd] = masks.get(fd, 0) | _POLL_IN
+        hang_ups = {}
+        for peer in peers:
+            link = self.data.get(peer)
+            if link is not None and not link.closed_by_peer:
+                fd = link.fileno()
+                masks[fd] = masks.get(fd, 0) | _POLL_HANG_UP
+                hang_ups[fd] = link
+        return hang_ups
+
+    def service(self, fd: int, events: int, hang_ups: Mapping[int, Link]) -> bool:
+        """Handles one poll event of a registered descriptor.
+
+        Returns:
+            True when a watched peer's data link hung up (the caller looks once more at
+            what it waits for, then raises ``LinkClosed`` for it: see ``hung_up``).
+
+        Raises:
+            Exception: whatever ``on_frame`` raises.
+        """
+        if fd in self.links and events & (_POLL_IN | _POLL_ERR):
+            link = self.links[fd]
+            if link.pump():
+                if link.closed_by_peer:
+                    del self.links[fd]  # at EOF it would poll readable forever
+                self.on_frame(link)
+            return False
+        return fd in hang_ups and bool(events & (_POLL_HANG_UP | _POLL_ERR))
 
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 _POLL_OUT = select.POLLOUT
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+_POLL_HANG_UP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP
+
+
+class Patience:
+    """One wait's stall clock: when it next calls ``Watch.on_stall``, and for which peers.
+
+    Args:
+        watch: the watch whose ``stall_after`` and ``on_stall`` apply (None: no clock).
+    """
+
+    __slots__ = ("_due", "_on_stall", "since")
+
+    def __init__(self, watch: Watch | None) -> None:
+        self.since = time.monotonic()
+        self._on_stall = watch.on_stall if watch is not None else None
+        self._due = watch.stall_after if watch is not None else None
+
+    def progress(self) -> None:
+        """The wait moved: the clock starts again."""
+        self.since = time.monotonic()
+
+    def timeout_ms(self) -> float | None:
+        """How long the next poll may block before a stall is due (None: no limit)."""
+        if self._due is None:
+            return None
+        return max(0.0, (self.since + self._due - time.monotonic()) * 1000.0)
+
+    def check(self, peers: Callable[[], Sequence[int]]) -> None:
+        """Reports a stall if one is due (``peers()``: whom the wait waits for).
+
+        Raises:
+            Exception: whatever ``on_stall`` raises (past the stall shutdown time).
+        """
+        if self._due is None or self._on_stall is None:
+            return
+        waited = time.monotonic() - self.since
+        if waited >= self._due:
+            self._due = self._on_stall(peers(), waited)
 
 
 class _Transfer:
@@ -286,20 +378,23 @@ def exchange(
     Args:
         sends: (link, bytes to send) pairs.
         recvs: (link, buffer to fill) pairs; each buffer is filled completely.
-        watch: control links to keep reading while waiting.
+        watch: control links to keep reading while waiting, and the stall clock.
 
     Raises:
         LinkClosed: a peer closed, reset, or died; names the peer.
-        Exception: whatever ``watch.on_frame`` raises.
+        Exception: whatever ``watch.on_frame`` or ``watch.on_stall`` raises.
     """
     outgoing = [_Transfer(link, view) for link, view in sends]
     incoming = [_Transfer(link, view) for link, view in recvs]
+    patience = Patience(watch)
     while True:
+        moved = False
         # Progress every transfer as far as the kernel allows without blocking.
         for transfer in outgoing:
             while transfer.pending:
                 try:
                     transfer.done += transfer.link.sock.send(transfer.view[transfer.done :])
+                    moved = True
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as exc:
@@ -316,17 +411,22 @@ def exchange(
                     transfer.link.closed_by_peer = True
                     raise LinkClosed(transfer.link, CLOSED)
                 transfer.done += n
+                moved = True
         outgoing = [t for t in outgoing if t.pending]
         incoming = [t for t in incoming if t.pending]
         if not outgoing and not incoming:
             return
-        wait([t.link for t in outgoing], [t.link for t in incoming], watch)
+        if moved:
+            patience.progress()
+        wait([t.link for t in outgoing], [t.link for t in incoming], watch, patience)
 
 
-def wait(sending: Sequence[Link], receiving: Sequence[Link], watch: Watch | None) -> None:
+def wait(sending: Sequence[Link], receiving: Sequence[Link], watch: Watch | None, patience: Patience | None = None) -> None:
     """Blocks until a link in ``sending`` can send or one in ``receiving`` has data.
 
-    Meanwhile the watched control links are read; ``watch.on_frame`` may raise.
+    Meanwhile the watched control links are read (``watch.on_frame`` may raise), and
+    with ``patience`` a wait that outlasts its stall clock reports the peers it waits
+    for (``watch.on_stall`` may raise) and returns so the caller looks again.
     """
     masks: dict[int, int] = {}
     for link in sending:
@@ -336,20 +436,18 @@ def wait(sending: Sequence[Link], receiving: Sequence[Link], watch: Watch | None
         fd = link.fileno()
         masks[fd] = masks.get(fd, 0) | _POLL_IN
     if watch is not None:
-        for fd in watch.links:
-            masks[fd] = masks.get(fd, 0) | _POLL_IN
+        watch.register(masks)
     poller = select.poll()
     for fd, mask in masks.items():
         poller.register(fd, mask)
-    for fd, events in poller.poll():
+    events = poller.poll(patience.timeout_ms() if patience is not None else None)
+    if not events and patience is not None:
+        patience.check(lambda: sorted({link.peer for link in (*receiving, *sending)}))
+    for fd, revents in events:
         # A data socket's error or hang-up shows when it is next read or written;
         # only watched links are serviced here.
-        if watch is not None and fd in watch.links and events & (_POLL_IN | _POLL_ERR):
-            link = watch.links[fd]
-            if link.pump():
-                if link.closed_by_peer:
-                    del watch.links[fd]  # at EOF it would poll readable forever
-                watch.on_frame(link)
+        if watch is not None:
+            watch.service(fd, revents, {})
 
 
 class RingLinks:
@@ -363,14 +461,18 @@ class RingLinks:
         self._right = right
         self._left = left
         self._watch = watch
+        self._patience = Patience(watch)
 
     def send(self, data: memoryview) -> int:
         try:
-            return self._right.sock.send(data)
+            sent = self._right.sock.send(data)
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError as exc:
             raise LinkClosed(self._right, _describe(exc)) from None
+        if sent:
+            self._patience.progress()
+        return sent
 
     def recv_into(self, data: memoryview) -> int:
         if not len(data):
@@ -384,10 +486,11 @@ class RingLinks:
         if received == 0:
             self._left.closed_by_peer = True
             raise LinkClosed(self._left, CLOSED)
+        self._patience.progress()
         return received
 
     def wait(self, sending: bool, receiving: bool) -> None:
-        wait([self._right] if sending else [], [self._left] if receiving else [], self._watch)
+        wait([self._right] if sending else [], [self._left] if receiving else [], self._watch, self._patience)
 
 
 def _describe(exc: OSError) -> str:
