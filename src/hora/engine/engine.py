@@ -59,6 +59,7 @@ from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.fast_lane import FastLane
 from hora.engine.handles import Handle, ring
+from hora.engine.interrupts import Abandoned, Interrupted, InterruptShield
 from hora.engine.mesh_channel import MeshChannel
 from hora.engine.messages import Response
 from hora.engine.mpi_collectives import MpiWorld
@@ -125,12 +126,17 @@ class Engine:
         self._links: dict[int, Link] = dict(mesh.control) if mesh is not None else {}
         self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         data_stall = DataPhaseStall(StallInspector(config), self.rank, self._executor.describe)
+        # Holds back signal handlers while the main thread runs engine passes.
+        self._shield = InterruptShield()
+        self._shielded = False  # True while the main thread holds _drive with the shield up
+        self._abandoned: BaseException | None = None  # a handler's exception that cut a collective short
         self._watch = Watch(
             list(self._links.values()),
             self._check_urgent,
             data=mesh.data if mesh is not None else None,
             stall_after=data_stall.first_check,
             on_stall=data_stall,
+            interrupts=self._shield,
         )
         self._domain = domain
         self._sharing = sharing or [False] * self.size
@@ -216,27 +222,36 @@ class Engine:
         if not entries:
             return
         self.queue.add_many(entries)
-        # With a cycle time set, the engine thread waits that long to batch tensors.
-        if self._config.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
-            self._wake_if_sleeping()
-            return
-        proposed = False
+        # The shield goes up before the lock is taken: no signal handler may raise between
+        # taking it and the block that lets it go (it would stay taken for ever).
+        shielded = self._shield.enter()
         try:
-            if not self._finished and self._caller_error is None:
-                new = self.queue.drain()
-                if new:
-                    self._announce(new)
-                    proposed = self._lane is not None and self._lane.pending is not None
-                if self._coordinator is not None:
-                    self._distribute(self._coordinator.take())
-        except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
-            self._caller_error = exc
+            # With a cycle time set, the engine thread waits that long to batch tensors.
+            if self._config.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
+                self._wake_if_sleeping()
+                return
+            self._shielded = shielded
+            proposed = False
+            try:
+                if not self._finished and self._caller_error is None:
+                    new = self.queue.drain()
+                    if new:
+                        self._announce(new)
+                        proposed = self._lane is not None and self._lane.pending is not None
+                    if self._coordinator is not None:
+                        self._distribute(self._coordinator.take())
+            except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
+                self._caller_error = exc
+            finally:
+                self._shielded = False
+                self._let_go()
+            if self._responses or self._caller_error is not None:
+                self._wake()  # the engine thread executes, unless a waiting caller gets there first
+            elif proposed:
+                self._wake_if_sleeping()  # a sleeping engine thread does not watch the lane yet
         finally:
-            self._let_go()
-        if self._responses or self._caller_error is not None:
-            self._wake()  # the engine thread executes, unless a waiting caller gets there first
-        elif proposed:
-            self._wake_if_sleeping()  # a sleeping engine thread does not watch the lane yet
+            if shielded:
+                self._shield.leave()  # runs the signal handlers held back meanwhile (they may raise)
 
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
@@ -249,38 +264,66 @@ class Engine:
         the job with the error), it blocks on the handle, which the engine thread completes.
         On the engine thread, returns at once.
 
-        Invariant: a thread sleeps on its bell only after registering it and then failing
-        to take the lock, and every release of the lock rings every registered bell, so no
-        thread sleeps while the lock is free and its handle unfinished.
+        Invariant: a thread sleeps on its bell only after registering it and then seeing
+        the lock taken, and every release of the lock rings every registered bell, so no
+        thread sleeps while the lock is free and its handle unfinished. On the main thread
+        the interrupt shield is up from before the lock is taken until after it is let go
+        (``hora.engine.interrupts``).
         """
         if threading.current_thread() is self._thread:
             return
         me = threading.get_ident()
         while not handle.done():
-            if self._drive.acquire(blocking=False):
-                try:
-                    leftover = self._drive_until(handle)
-                finally:
-                    self._let_go()
-                if leftover:
-                    self._wake()  # the engine thread takes over what this thread leaves
-                if not handle.done():  # stopped early: the engine thread completes it
-                    handle.block()
-                return
-            # Another thread is in a pass: sleep until it lets go of the lock or the handle
-            # completes, whichever comes first (a bell both ring), then look again.
-            bell = _thread.allocate_lock()
-            bell.acquire()
-            self._bells[me] = bell
-            handle.set_bell(bell)
+            # The shield goes up before the lock is taken and comes down after it is let
+            # go (see submit_many); in between, only the bell wait is a safe point.
+            shielded = self._shield.enter()
+            drove = False
             try:
-                if not self._drive.acquire(blocking=False):
-                    bell.acquire()  # rung by the holder letting go, or by completion
+                if self._drive.acquire(blocking=False):
+                    drove = True
+                    self._shielded = shielded
+                    try:
+                        leftover = self._drive_until(handle)
+                    finally:
+                        self._shielded = False
+                        self._let_go()
+                    if leftover:
+                        self._wake()  # the engine thread takes over what this thread leaves
                 else:
-                    self._let_go()  # free after all: loop round and drive (others look again too)
+                    self._sleep_on_bell(me, handle, shielded)
             finally:
-                handle.set_bell(None)
-                del self._bells[me]
+                if shielded:
+                    self._shield.leave()  # runs the signal handlers held back meanwhile (they may raise)
+            if drove:
+                if self._abandoned is not None:
+                    error, self._abandoned = self._abandoned, None
+                    raise error
+                if handle.done():
+                    return
+                if self._finished or self._stop_requested or self._caller_error is not None:
+                    handle.block()  # stopped early: the engine thread completes it
+                    return
+                # Else a held-back signal's handler did not raise: drive on.
+
+    def _sleep_on_bell(self, me: int, handle: Handle, shielded: bool) -> None:
+        """Another thread is in a pass: sleeps until it lets go of the lock or the handle
+        completes, whichever comes first (a bell both ring); the caller then looks again."""
+        bell = _thread.allocate_lock()
+        bell.acquire()
+        self._bells[me] = bell
+        handle.set_bell(bell)
+        try:
+            if not self._drive.acquire(blocking=False):
+                self._shield.safe = shielded  # holding nothing: a signal may end the wait
+                bell.acquire()  # rung by the holder letting go, or by completion
+            else:
+                self._let_go()  # free after all: the caller loops round and drives
+        except Interrupted:
+            pass  # drive() runs the signal's handler as the shield comes down
+        finally:
+            self._shield.safe = False
+            handle.set_bell(None)
+            del self._bells[me]
 
     def _let_go(self) -> None:
         """Releases ``_drive`` and wakes every thread waiting in ``drive`` to try again."""
@@ -296,9 +339,10 @@ class Engine:
         """``drive``'s passes (holding ``_drive``); returns whether work is left for the engine thread."""
         self._driving = True
         spin = True
+        shield = self._shield
         try:
             while not handle.done() and not self._finished and not self._stop_requested:
-                if self._caller_error is not None:
+                if self._caller_error is not None or shield.pending:
                     break
                 poller = self._callers_poller()
                 if self._settled_on_lane(handle, poller, spin):
@@ -309,6 +353,16 @@ class Engine:
                 spin = bool(events) or self._busy()
                 self._absorb(events)
                 self._pass()
+        except Interrupted:
+            pass  # a signal at a safe point: drive() runs its handler once it let go of the lock
+        except Abandoned as exc:
+            # A handler raised in a data-plane wait whose peers had stopped: this rank cannot
+            # finish the collective, so the job fails; the caller gets the handler's exception.
+            self._abandoned = exc.error
+            self._caller_error = _JobFailed(
+                f"rank {self.rank} was interrupted ({type(exc.error).__name__}) in the middle of "
+                f"{self._executor.describe()}, whose peers had stopped making progress"
+            )
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
             self._caller_error = exc
         self._caller_left = time.perf_counter()
@@ -326,6 +380,7 @@ class Engine:
         self._wake()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        self._shield.restore()
 
     def set_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
         """Starts recording a timeline into ``path`` (rank 0 only), or stops with None.
@@ -573,14 +628,20 @@ class Engine:
             watched.watch(caller, True)
             recheck = watched.recheck_ms()
             timeout_ms = recheck if timeout_ms is None else min(timeout_ms, recheck)
-        if not self.queue.has_new() and not (watched is not None and watched.settled()):
-            events = poller.poll(timeout_ms)
-        if watched is not None:
-            watched.watch(caller, False)
-        if caller:
-            self._caller_sleeping = False
-        else:
-            self._sleeping = False
+        try:
+            if not self.queue.has_new() and not (watched is not None and watched.settled()):
+                # A safe point: nothing is read while blocked here, so a signal may end the
+                # main thread's wait at once (InterruptShield raises Interrupted).
+                self._shield.safe = caller and self._shielded
+                events = poller.poll(timeout_ms)
+        finally:
+            self._shield.safe = False
+            if watched is not None:
+                watched.watch(caller, False)
+            if caller:
+                self._caller_sleeping = False
+            else:
+                self._sleeping = False
         return events
 
     def _sleep_timeout_ms(self, caller: bool) -> float | None:
@@ -889,3 +950,4 @@ class Engine:
             self._mesh.close()
         self._wake_r.close()
         self._wake_w.close()
+        self._shield.close()

@@ -283,14 +283,14 @@ class Domain:
                     if fd == self._wake.fileno():
                         self.drain_wake()
                     elif watch is not None:
-                        if watch.service(fd, revents, hang_ups):
+                        outcome = watch.service(fd, revents, hang_ups)
+                        if outcome == "lost":
                             lost = hang_ups[fd]
-                        elif fd not in watch.links and fd not in hang_ups:
-                            poller.unregister(fd)  # a control link at EOF: readable for ever
+                        elif outcome == "closed":
+                            poller.unregister(fd)  # a control link at its end: readable for ever
                 if lost is not None and not check():
                     raise LinkClosed(lost, CLOSED)
-                if not events:
-                    patience.check(laggards)
+                patience.check(laggards)
         finally:
             sleeping[_SLEEPING] = 0
 

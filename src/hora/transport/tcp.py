@@ -20,6 +20,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from hora.errors import ProtocolError
 
@@ -238,6 +239,22 @@ class Link:
             pass
 
 
+class Interrupts(Protocol):
+    """Signals held back while a data-plane wait runs (``hora.engine.interrupts``)."""
+
+    def fileno(self) -> int:
+        """Readable once a signal is pending."""
+
+    def clear_wake(self) -> None:
+        """Reads the wake-up bytes (the signal stays pending)."""
+
+    def deadline(self, idle_since: float) -> float | None:
+        """When a wait without progress since ``idle_since`` gives up (None: no signal)."""
+
+    def give_up(self) -> None:
+        """Runs the held-back handlers now; raises what they raise."""
+
+
 class Watch:
     """What every data-plane wait keeps an eye on besides its own transfer.
 
@@ -253,6 +270,9 @@ class Watch:
       ``on_stall(peers, seconds)`` with the peers it waits for; that reports the stall
       and returns how long the wait may go on before the next call (None: never), or
       raises to end it.
+    * Interrupts: a signal held back while the main thread runs a collective
+      (``interrupts``) wakes the wait, which gives up once it has made no progress for
+      a while after it (see ``hora.engine.interrupts``).
 
     Invariant: one thread at a time runs data-plane waits (the one in an engine pass),
     so nothing here needs a lock.
@@ -265,18 +285,22 @@ class Watch:
         data: Mapping[int, Link] | None = None,
         stall_after: float | None = None,
         on_stall: Callable[[Sequence[int], float], float | None] | None = None,
+        interrupts: Interrupts | None = None,
     ) -> None:
         self.links = {link.fileno(): link for link in links}
         self.on_frame = on_frame
         self.data = dict(data or {})
         self.stall_after = stall_after if on_stall is not None else None
         self.on_stall = on_stall
+        self.interrupts = interrupts
 
     def register(self, masks: dict[int, int], peers: Iterable[int] = ()) -> dict[int, Link]:
         """Adds the control links, and the data links of ``peers`` (for a hang-up), to a
         poll mask table; returns the data links it added, by file descriptor."""
         for fd in self.links:
             masks[fd] = masks.get(fd, 0) | _POLL_IN
+        if self.interrupts is not None:
+            masks[self.interrupts.fileno()] = _POLL_IN
         hang_ups = {}
         for peer in peers:
             link = self.data.get(peer)
@@ -286,24 +310,33 @@ class Watch:
                 hang_ups[fd] = link
         return hang_ups
 
-    def service(self, fd: int, events: int, hang_ups: Mapping[int, Link]) -> bool:
+    def service(self, fd: int, events: int, hang_ups: Mapping[int, Link]) -> str | None:
         """Handles one poll event of a registered descriptor.
 
         Returns:
-            True when a watched peer's data link hung up (the caller looks once more at
-            what it waits for, then raises ``LinkClosed`` for it: see ``hung_up``).
+            ``"lost"`` when a watched peer's data link hung up (the caller looks once
+            more at what it waits for, then raises ``LinkClosed`` for it);
+            ``"closed"`` when a control link reached its end (a caller that keeps its
+            poll set unregisters it: it would be readable for ever); else None.
 
         Raises:
             Exception: whatever ``on_frame`` raises.
         """
+        if self.interrupts is not None and fd == self.interrupts.fileno():
+            self.interrupts.clear_wake()  # the wait's Patience now has a deadline to give up at
+            return None
         if fd in self.links and events & (_POLL_IN | _POLL_ERR):
             link = self.links[fd]
-            if link.pump():
-                if link.closed_by_peer:
-                    del self.links[fd]  # at EOF it would poll readable forever
-                self.on_frame(link)
-            return False
-        return fd in hang_ups and bool(events & (_POLL_HANG_UP | _POLL_ERR))
+            if not link.pump():
+                return None
+            closed = link.closed_by_peer
+            if closed:
+                del self.links[fd]
+            self.on_frame(link)
+            return "closed" if closed else None
+        if fd in hang_ups and events & (_POLL_HANG_UP | _POLL_ERR):
+            return "lost"
+        return None
 
 
 _POLL_IN = select.POLLIN | select.POLLPRI
@@ -313,38 +346,49 @@ _POLL_HANG_UP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP
 
 
 class Patience:
-    """One wait's stall clock: when it next calls ``Watch.on_stall``, and for which peers.
+    """One wait's clocks: when it next calls ``Watch.on_stall``, and when a held-back
+    signal makes it give up (``Watch.interrupts``).
 
     Args:
-        watch: the watch whose ``stall_after`` and ``on_stall`` apply (None: no clock).
+        watch: the watch whose ``stall_after``, ``on_stall`` and ``interrupts`` apply.
     """
 
-    __slots__ = ("_due", "_on_stall", "since")
+    __slots__ = ("_due", "_interrupts", "_on_stall", "since")
 
     def __init__(self, watch: Watch | None) -> None:
         self.since = time.monotonic()
         self._on_stall = watch.on_stall if watch is not None else None
         self._due = watch.stall_after if watch is not None else None
+        self._interrupts = watch.interrupts if watch is not None else None
 
     def progress(self) -> None:
-        """The wait moved: the clock starts again."""
+        """The wait moved: the clocks start again."""
         self.since = time.monotonic()
 
     def timeout_ms(self) -> float | None:
-        """How long the next poll may block before a stall is due (None: no limit)."""
-        if self._due is None:
-            return None
-        return max(0.0, (self.since + self._due - time.monotonic()) * 1000.0)
+        """How long the next poll may block before a clock is due (None: no limit)."""
+        due = None if self._due is None else self.since + self._due
+        if self._interrupts is not None:
+            give_up = self._interrupts.deadline(self.since)
+            if give_up is not None:
+                due = give_up if due is None else min(due, give_up)
+        return None if due is None else max(0.0, (due - time.monotonic()) * 1000.0)
 
     def check(self, peers: Callable[[], Sequence[int]]) -> None:
-        """Reports a stall if one is due (``peers()``: whom the wait waits for).
+        """Gives up on a held-back signal, or reports a stall, if one is due
+        (``peers()``: whom the wait waits for).
 
         Raises:
-            Exception: whatever ``on_stall`` raises (past the stall shutdown time).
+            Exception: whatever ``on_stall`` or the held-back signal handlers raise.
         """
+        now = time.monotonic()
+        if self._interrupts is not None:
+            give_up = self._interrupts.deadline(self.since)
+            if give_up is not None and now >= give_up:
+                self._interrupts.give_up()
         if self._due is None or self._on_stall is None:
             return
-        waited = time.monotonic() - self.since
+        waited = now - self.since
         if waited >= self._due:
             self._due = self._on_stall(peers(), waited)
 
@@ -441,13 +485,13 @@ def wait(sending: Sequence[Link], receiving: Sequence[Link], watch: Watch | None
     for fd, mask in masks.items():
         poller.register(fd, mask)
     events = poller.poll(patience.timeout_ms() if patience is not None else None)
-    if not events and patience is not None:
-        patience.check(lambda: sorted({link.peer for link in (*receiving, *sending)}))
     for fd, revents in events:
         # A data socket's error or hang-up shows when it is next read or written;
         # only watched links are serviced here.
         if watch is not None:
             watch.service(fd, revents, {})
+    if patience is not None:
+        patience.check(lambda: sorted({link.peer for link in (*receiving, *sending)}))
 
 
 class RingLinks:
