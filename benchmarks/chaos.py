@@ -228,13 +228,15 @@ def main() -> int:
         hung = [r for r, o in outcomes.items() if o["hung"]]
         times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
         kinds = sorted({str(o.get("kind")) for o in outcomes.values() if not o["hung"]})
+        unnamed = [r for r, o in outcomes.items() if not o["hung"] and f"rank {record['victim']}" not in str(o.get("error"))]
         last = f"{max(times) * 1e3:7.1f} ms" if times and not hung else "      -   "
         print(
             f"{number + 1:3d} np={np_} {record['workload']:18s} {record['transport']:3s} victim={record['victim']} "
-            f"last error after {last}  hung={hung or '-'}  {','.join(kinds)}",
+            f"last error after {last}  hung={hung or '-'}  {','.join(kinds)}"
+            + (f"  victim not named by {unnamed}" if unnamed else ""),
             flush=True,
         )
-        if hung or any(k != "HoraInternalError" for k in kinds):
+        if hung or unnamed or any(k != "HoraInternalError" for k in kinds):
             for rank, outcome in outcomes.items():
                 print(f"      rank {rank}: {json.dumps(outcome)[:600]}")
     if args.json:
@@ -248,12 +250,16 @@ def main() -> int:
         if any(o["hung"] for o in outcomes.values()):
             hangs += 1
             continue
-        if any(o.get("kind") != "HoraInternalError" for o in outcomes.values()):
+        victim = f"rank {record['victim']}"
+        if any(o.get("kind") != "HoraInternalError" or victim not in str(o.get("error")) for o in outcomes.values()):
             wrong += 1
         times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
         if times:
             lasts.append(max(times))
-    print(f"\n{len(records)} trials: {hangs} with a hung survivor, {wrong} with another outcome than HoraInternalError")
+    print(
+        f"\n{len(records)} trials: {hangs} with a hung survivor, {wrong} with another outcome than a "
+        "HoraInternalError naming the stopped rank"
+    )
     if lasts:
         print(
             f"kill -> last survivor's error: median {statistics.median(lasts) * 1e3:.0f} ms, "

@@ -105,11 +105,11 @@ def test_fuse_disabled_and_non_fusable():
 def test_groups_are_released_together():
     c = Coordinator(2, fusion_threshold=1 << 20)
     for rank in range(2):
-        c.submit(req(rank, "g_0of2", group="g", group_size=2))
+        c.submit(req(rank, "g_0", group="g", group_size=2))
     assert take(c) == []
     for rank in range(2):
-        c.submit(req(rank, "g_1of2", group="g", group_size=2))
-    assert [names for _, names, _ in take(c)] == [["g_0of2", "g_1of2"]]
+        c.submit(req(rank, "g_1", group="g", group_size=2))
+    assert [names for _, names, _ in take(c)] == [["g_0", "g_1"]]
 
 
 def test_join_lets_others_proceed_and_reports_last_rank():
@@ -229,3 +229,106 @@ def test_a_cached_response_is_an_independent_copy_of_every_field():
     first.sizes.append(1)
     first.cache_ids.append(1)
     assert cache.response(cache_id) == template  # fusion extends copies, never the template
+
+
+def test_a_group_whose_size_differs_across_ranks_fails_whole_on_every_rank():
+    c = Coordinator(2, fusion_threshold=1 << 20)
+    c.submit_many([req(1, f"grouped_allreduce.g_{i}", group="grouped_allreduce.g", group_size=3) for i in range(3)])
+    c.submit_many([req(0, f"grouped_allreduce.g_{i}", group="grouped_allreduce.g", group_size=2) for i in range(2)])
+    [(response, members)] = c.take()
+    assert response.type == ResponseType.ERROR and members == (0, 1)
+    assert sorted(response.names) == [f"grouped_allreduce.g_{i}" for i in range(3)]
+    assert response.error == (
+        "grouped_allreduce 'g': numbers of tensors in the grouped call differ across ranks: rank 0: 2, rank 1: 3"
+    )
+    assert c.stalls(0.0) == []  # nothing left waiting
+
+
+def test_a_refused_request_fails_the_tensor_on_every_rank_naming_the_rank():
+    c = Coordinator(3, fusion_threshold=0)
+    c.submit(req(0, "alltoall.a", kind=RequestType.ALLTOALL))
+    c.submit(req(2, "alltoall.a", kind=RequestType.ALLTOALL))
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.a", error="ValueError: splits must be integers"))
+    [(response, members)] = c.take()
+    assert response.type == ResponseType.ERROR and members == (0, 1, 2)
+    assert response.error == "alltoall 'a': refused by rank 1: ValueError: splits must be integers"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_stuck_ranks_waiting_for_each_other_fail_after_the_grace():
+    from hora.engine.coordinator import MISMATCH_GRACE
+
+    clock = Clock()
+    c = Coordinator(3, fusion_threshold=0, clock=clock)
+    c.submit(Request(0, RequestType.BARRIER, "barrier"))
+    c.submit(req(1, "allreduce.c"))
+    c.submit(req(2, "allgather.c", kind=RequestType.ALLGATHER))
+    for rank in range(3):
+        c.note_stuck(rank, 0)
+    assert c.seconds_to_mismatch_check() == MISMATCH_GRACE
+    c.find_mismatches()
+    assert take(c) == []  # within the grace: a thread may still submit
+    clock.now += MISMATCH_GRACE
+    assert c.seconds_to_mismatch_check() == 0.0
+    c.find_mismatches()
+    responses = c.take()
+    assert sorted(r.names[0] for r, _ in responses) == ["allgather.c", "allreduce.c", "barrier"]
+    error = responses[0][0].error
+    assert all(r.type == ResponseType.ERROR and r.error == error for r, _ in responses)
+    assert "rank 0 waits for barrier (not submitted by rank 1, 2)" in error
+    assert "rank 1 waits for allreduce 'c' (not submitted by rank 0, 2)" in error
+    assert "(the name 'c' is used for allgather and allreduce)" in error
+    assert c.seconds_to_mismatch_check() is None
+
+
+def test_a_stuck_rank_is_not_failed_while_a_rank_it_waits_for_may_still_submit():
+    clock = Clock()
+    c = Coordinator(3, fusion_threshold=0, clock=clock)
+    c.submit(req(0, "allreduce.x"))
+    c.submit(req(1, "allreduce.x"))
+    c.note_stuck(0, 0)
+    c.note_stuck(1, 0)  # rank 2 is busy, not stuck: it may still submit x
+    clock.now += 10
+    c.find_mismatches()
+    assert take(c) == [] and c.seconds_to_mismatch_check() is None  # and no busy re-checking
+    c.submit(req(2, "allreduce.x"))
+    assert take(c) == [(ResponseType.ALLREDUCE, ["allreduce.x"], (0, 1, 2))]
+
+
+def test_ranks_that_wait_on_each_other_through_a_busy_rank_are_doomed_all_the_same():
+    clock = Clock()
+    c = Coordinator(3, fusion_threshold=0, clock=clock)
+    c.submit(req(0, "allreduce.x"))  # needs rank 1, which waits for y
+    c.submit(req(1, "allreduce.y"))  # needs rank 0, which waits for x
+    c.note_stuck(0, 0)
+    c.note_stuck(1, 0)  # whatever busy rank 2 submits, neither x nor y can complete
+    clock.now += 10
+    c.find_mismatches()
+    assert sorted(names[0] for _, names, _ in take(c)) == ["allreduce.x", "allreduce.y"]
+
+
+def test_a_stuck_report_that_missed_a_response_is_ignored():
+    clock = Clock()
+    c = Coordinator(2, fusion_threshold=0, clock=clock)
+    c.submit(req(0, "allreduce.a"))
+    c.submit(req(1, "allreduce.a"))
+    c.take()  # one response each, not yet received when they report
+    c.submit(req(0, "allreduce.x"))
+    c.submit(Request(1, RequestType.BARRIER, "barrier"))
+    c.note_stuck(0, 0)
+    c.note_stuck(1, 0)
+    clock.now += 10
+    c.find_mismatches()
+    assert take(c) == []
+    c.note_stuck(0, 1)
+    c.note_stuck(1, 1)
+    clock.now += 10
+    c.find_mismatches()
+    assert sorted(names[0] for _, names, _ in take(c)) == ["allreduce.x", "barrier"]

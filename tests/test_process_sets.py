@@ -101,3 +101,40 @@ def test_dynamic_add_and_remove():
         assert "is not registered with the running job" in out["use_removed"]
         assert out["again"] == 3
         assert out["global"] == [4]
+
+
+def shutdown_during_add_job() -> dict:
+    import threading
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init(process_sets="dynamic")
+    if hvd.rank() == 0:
+        time.sleep(8.0)  # never adds the set: rank 1's add waits (its engine serves rank 1 meanwhile)
+        hvd.shutdown()
+        return {}
+    outcome: list[str] = []
+
+    def add() -> None:
+        try:
+            hvd.add_process_set([0, 1])
+            outcome.append("added")
+        except Exception as exc:  # noqa: BLE001 - the kind is what the test checks
+            outcome.append(type(exc).__name__)
+
+    thread = threading.Thread(target=add)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    hvd.shutdown()  # must not wait behind the add, which holds no lock while it waits
+    took = time.monotonic() - start
+    thread.join(10)
+    return {"took": took, "outcome": outcome, "alive": thread.is_alive()}
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_from_another_thread_does_not_wait_behind_a_process_set_change():
+    result = run_ranks(2, shutdown_during_add_job, timeout=40)[1]
+    assert result["took"] < 5.0, result
+    assert result["outcome"] == ["HoraInternalError"] and not result["alive"], result

@@ -21,7 +21,8 @@ from hora import ops
 from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.messages import RequestType
-from hora.errors import CollectiveMismatchError
+from hora.engine.handles import Handle
+from hora.errors import CollectiveMismatchError, HoraInternalError
 from hora.process_sets import ProcessSet, global_process_set
 from hora.runtime import Runtime
 
@@ -107,17 +108,21 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _context.dynamic = dynamic
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
-        try:
-            for process_set in sets:
-                if process_set is global_process_set:
-                    continue
-                _register(runtime, process_set)
-        except BaseException:
-            shutdown()
-            raise
         if not _context.atexit_registered:
             atexit.register(shutdown)
             _context.atexit_registered = True
+        try:
+            adding = [(ps, _submit_set(runtime, ps)) for ps in sets if ps is not global_process_set]
+        except BaseException:
+            shutdown()
+            raise
+    # The sets' collectives are waited for without the lock (see add_process_set).
+    try:
+        for process_set, handle in adding:
+            _bind_set(runtime, process_set, handle)
+    except BaseException:
+        shutdown()
+        raise
 
 
 def _forget_runtime() -> None:
@@ -290,7 +295,13 @@ def join(device: int = -1) -> int:
     return int(ops.join(current()).wait())
 
 
-def _register(runtime: Runtime, process_set: ProcessSet) -> None:
+def _submit_set(runtime: Runtime, process_set: ProcessSet) -> Handle:
+    """Submits the collective that registers ``process_set`` (holding ``_context.lock``,
+    which keeps the ranks' numbering of these calls in step).
+
+    Raises:
+        ValueError: a duplicate set, or ranks outside the job.
+    """
     if process_set.process_set_id is not None and process_set._runtime is runtime:
         raise ValueError(f"Attempted to add a duplicate process set: {process_set!r}")
     bad = [r for r in process_set.ranks if r >= runtime.size]
@@ -298,15 +309,26 @@ def _register(runtime: Runtime, process_set: ProcessSet) -> None:
         raise ValueError(f"{process_set!r}: ranks must be non-empty and below the job size {runtime.size}")
     _context.set_calls += 1
     name = f"process_set.add.{_context.set_calls}"
-    handle = runtime.submit(
-        RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=process_set.ranks
-    )
+    return runtime.submit(RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=process_set.ranks)
+
+
+def _bind_set(runtime: Runtime, process_set: ProcessSet, handle: Handle) -> None:
+    """Waits for the registration (without ``_context.lock``: a ``shutdown()`` from another
+    thread must not wait behind it) and binds the set to its id.
+
+    Raises:
+        ValueError: the ranks disagreed about the set.
+        HoraInternalError: the job failed or shut down meanwhile.
+    """
     try:
         set_id = int(handle.wait())
     except CollectiveMismatchError as exc:
         raise ValueError(str(exc)) from None
-    process_set._bind(runtime, set_id)
-    _context.sets.append(process_set)
+    with _context.lock:
+        if _context.runtime is not runtime:
+            raise HoraInternalError(f"add_process_set({list(process_set.ranks)}): hora shut down meanwhile")
+        process_set._bind(runtime, set_id)
+        _context.sets.append(process_set)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -329,7 +351,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     with _context.lock:
-        _register(runtime, process_set)
+        handle = _submit_set(runtime, process_set)
+    _bind_set(runtime, process_set, handle)
     return process_set
 
 
@@ -344,20 +367,21 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ValueError("Process sets can only be removed in dynamic mode (see add_process_set).")
     if process_set.process_set_id in (None, 0) or process_set._runtime is not runtime:
         return False
-    with _context.lock:
+    with _context.lock:  # submitted under the lock, waited for without it (see add_process_set)
         _context.set_calls += 1
         handle = runtime.submit(
             RequestType.REMOVE_PROCESS_SET, f"process_set.remove.{_context.set_calls}", DataType.UINT8,
             None, None, root_rank=int(process_set.process_set_id),
         )  # fmt: skip
-        try:
-            removed = bool(handle.wait())
-        except CollectiveMismatchError:
-            return False
+    try:
+        removed = bool(handle.wait())
+    except CollectiveMismatchError:
+        return False
+    with _context.lock:
         if process_set in _context.sets:
             _context.sets.remove(process_set)
         process_set._unbind()
-        return removed
+    return removed
 
 
 def broadcast_object(
@@ -374,12 +398,12 @@ def broadcast_object(
     # Unnamed calls are numbered per set, so ranks holding objects of different types
     # (root: a dict, others: None) still agree on the name.
     base = ops.full_name(runtime, "broadcast_object", name, process_set)
-    is_root = process_set.rank() == root_rank
-    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if is_root else np.empty(0, np.uint8)
-    length = np.array([payload.size], dtype=np.int64)
-    ops.broadcast(
-        runtime, ops.from_numpy(length), length, root_rank, f"{base}.sz", process_set
-    ).wait()
+    with ops.refusal(runtime, RequestType.BROADCAST, [f"{base}.sz"], process_set):  # e.g. an unpicklable object
+        is_root = process_set.rank() == root_rank
+        payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if is_root else np.empty(0, np.uint8)
+        length = np.array([payload.size], dtype=np.int64)
+        handle = ops.broadcast(runtime, ops.from_numpy(length), length, root_rank, f"{base}.sz", process_set)
+    handle.wait()
     data = payload.copy() if is_root else np.empty(int(length[0]), dtype=np.uint8)
     ops.broadcast(runtime, ops.from_numpy(data), data, root_rank, f"{base}.t", process_set).wait()
     return obj if is_root else cloudpickle.loads(data.tobytes())
@@ -393,9 +417,11 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """
     runtime = current()
     base = ops.full_name(runtime, "allgather_object", name, process_set)
-    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8).copy()
-    size = np.array([payload.size], dtype=np.int64)
-    lengths = ops.allgather(runtime, ops.from_numpy(size), f"{base}.sz", process_set).wait()
+    with ops.refusal(runtime, RequestType.ALLGATHER, [f"{base}.sz"], process_set):  # e.g. an unpicklable object
+        payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8).copy()
+        size = np.array([payload.size], dtype=np.int64)
+        handle = ops.allgather(runtime, ops.from_numpy(size), f"{base}.sz", process_set)
+    lengths = handle.wait()
     data = ops.allgather(runtime, ops.from_numpy(payload), f"{base}.t", process_set).wait()
     out = []
     offset = 0

@@ -16,8 +16,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from hora import ops
+from hora.collectives.reduce import ADASUM
 from hora.api import current
 from hora.engine.handles import Handle
+from hora.engine.messages import RequestType, tensor_label
 from hora.process_sets import ProcessSet
 from hora.runtime import Runtime
 
@@ -42,8 +44,9 @@ class Adapter(Protocol):
     def wrap(self, array: np.ndarray, like: Any) -> Any:
         """A result array from the core as a tensor like ``like`` (its dtype and device)."""
 
-    def splits(self, splits: Any) -> list[int] | None:
-        """Alltoall's splits as a list of ints (None: split evenly).
+    def splits(self, splits: Any) -> Sequence[int] | np.ndarray | None:
+        """Alltoall's splits as a sequence of numbers (None: split evenly; ``ops.alltoall``
+        checks them).
 
         Raises:
             ValueError: splits of a kind the framework does not accept.
@@ -51,12 +54,6 @@ class Adapter(Protocol):
 
     def alltoall_result(self, output: Any, received: np.ndarray, splits_given: bool) -> Any:
         """What alltoall's ``synchronize`` returns, from the received rows and splits."""
-
-
-def _group_names(base: str, count: int) -> list[str]:
-    if count == 0:
-        raise ValueError("grouped collectives need at least one tensor")
-    return [f"{base}_{i}of{count}" for i in range(count)]
 
 
 def _register_group(runtime: Runtime, handle_id: int, handles: list[Handle], finishers: list[Callable[[Any], Any]]) -> int:
@@ -87,23 +84,24 @@ def allreduce_async(
     """Queues an allreduce of one tensor, or a grouped allreduce of several; returns the handle id."""
     runtime = current()
     op = ops.resolve_op(op, average)
+    kind = RequestType.ADASUM if op == ADASUM else RequestType.ALLREDUCE
     handle_id = runtime.next_id()
     if not grouped:
         full = ops.full_name(runtime, "allreduce", name, process_set)
-        wire, output, finish = _staged_pair(adapter, tensors[0], f"allreduce '{full}'", inplace)
-        handle = ops.allreduce(runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set)
+        with ops.refusal(runtime, kind, [full], process_set):
+            wire, output, finish = _staged_pair(adapter, tensors[0], tensor_label("allreduce", full), inplace)
+            handle = ops.allreduce(runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set)
         return runtime.register(handle_id, handle, lambda _: finish())
     base = ops.full_name(runtime, "grouped_allreduce", name, process_set)
-    names = _group_names(base, len(tensors))
-    prepared = [_staged_pair(adapter, t, f"allreduce '{full}'", inplace) for t, full in zip(tensors, names)]
-    with runtime.batch():  # the whole group reaches the engine at once, or none of it
-        handles = [
-            ops.allreduce(
-                runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set,
-                group=(base, len(tensors)),
-            )  # fmt: skip
-            for (wire, output, _), full in zip(prepared, names)
-        ]
+    names = ops.group_names(base, len(tensors))
+    group = (base, len(tensors))
+    with ops.refusal(runtime, kind, names, process_set, group):
+        prepared = [_staged_pair(adapter, t, tensor_label("allreduce", full), inplace) for t, full in zip(tensors, names)]
+        with runtime.batch():  # the whole group reaches the engine at once, or none of it
+            handles = [
+                ops.allreduce(runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set, group)
+                for (wire, output, _), full in zip(prepared, names)
+            ]
     return _register_group(runtime, handle_id, handles, [(lambda f: lambda _: f())(f) for _, _, f in prepared])
 
 
@@ -111,18 +109,20 @@ def allgather_async(adapter: Adapter, tensors: Sequence[Any], name: str | None, 
     """Queues an allgather of one tensor, or of several as one group; returns the handle id."""
     runtime = current()
     handle_id = runtime.next_id()
+    kind = RequestType.ALLGATHER
     if not grouped:
         full = ops.full_name(runtime, "allgather", name, process_set)
-        wire, _ = adapter.stage(tensors[0], False, f"allgather '{full}'")
-        handle = ops.allgather(runtime, wire, full, process_set)
+        with ops.refusal(runtime, kind, [full], process_set):
+            wire, _ = adapter.stage(tensors[0], False, tensor_label("allgather", full))
+            handle = ops.allgather(runtime, wire, full, process_set)
         return runtime.register(handle_id, handle, lambda result: adapter.wrap(result, tensors[0]))
     base = ops.full_name(runtime, "grouped_allgather", name, process_set)
-    names = _group_names(base, len(tensors))
-    wires = [adapter.stage(t, False, f"allgather '{full}'")[0] for t, full in zip(tensors, names)]
-    with runtime.batch():  # the whole group reaches the engine at once, or none of it
-        handles = [
-            ops.allgather(runtime, wire, full, process_set, group=(base, len(tensors))) for wire, full in zip(wires, names)
-        ]
+    names = ops.group_names(base, len(tensors))
+    group = (base, len(tensors))
+    with ops.refusal(runtime, kind, names, process_set, group):
+        wires = [adapter.stage(t, False, tensor_label("allgather", full))[0] for t, full in zip(tensors, names)]
+        with runtime.batch():  # the whole group reaches the engine at once, or none of it
+            handles = [ops.allgather(runtime, wire, full, process_set, group) for wire, full in zip(wires, names)]
     return _register_group(runtime, handle_id, handles, [(lambda t: lambda r: adapter.wrap(r, t))(t) for t in tensors])
 
 
@@ -133,8 +133,9 @@ def broadcast_async(
     runtime = current()
     handle_id = runtime.next_id()
     full = ops.full_name(runtime, "broadcast", name, process_set)
-    wire, output, finish = _staged_pair(adapter, tensor, f"broadcast '{full}'", inplace)
-    handle = ops.broadcast(runtime, wire, output, root_rank, full, process_set)
+    with ops.refusal(runtime, RequestType.BROADCAST, [full], process_set):
+        wire, output, finish = _staged_pair(adapter, tensor, tensor_label("broadcast", full), inplace)
+        handle = ops.broadcast(runtime, wire, output, root_rank, full, process_set)
     return runtime.register(handle_id, handle, lambda _: finish())
 
 
@@ -143,9 +144,10 @@ def alltoall_async(adapter: Adapter, tensor: Any, splits: Any, name: str | None,
     runtime = current()
     handle_id = runtime.next_id()
     full = ops.full_name(runtime, "alltoall", name, process_set)
-    wire, _ = adapter.stage(tensor, False, f"alltoall '{full}'")
-    split_list = adapter.splits(splits)
-    handle = ops.alltoall(runtime, wire, split_list, full, process_set)
+    with ops.refusal(runtime, RequestType.ALLTOALL, [full], process_set):
+        wire, _ = adapter.stage(tensor, False, tensor_label("alltoall", full))
+        split_list = adapter.splits(splits)
+        handle = ops.alltoall(runtime, wire, split_list, full, process_set)
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
         output, received = result
@@ -167,20 +169,21 @@ def reducescatter_async(
     """Queues a reducescatter of one tensor, or of several as one group; returns the handle id."""
     runtime = current()
     handle_id = runtime.next_id()
+    kind = RequestType.REDUCESCATTER
     if not grouped:
         full = ops.full_name(runtime, "reducescatter", name, process_set)
-        wire, _ = adapter.stage(tensors[0], False, f"reducescatter '{full}'")
-        handle = ops.reducescatter(runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set)
+        with ops.refusal(runtime, kind, [full], process_set):
+            wire, _ = adapter.stage(tensors[0], False, tensor_label("reducescatter", full))
+            handle = ops.reducescatter(runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set)
         return runtime.register(handle_id, handle, lambda result: adapter.wrap(result, tensors[0]))
     base = ops.full_name(runtime, "grouped_reducescatter", name, process_set)
-    names = _group_names(base, len(tensors))
-    wires = [adapter.stage(t, False, f"reducescatter '{full}'")[0] for t, full in zip(tensors, names)]
-    with runtime.batch():  # the whole group reaches the engine at once, or none of it
-        handles = [
-            ops.reducescatter(
-                runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set,
-                group=(base, len(tensors)),
-            )  # fmt: skip
-            for wire, full in zip(wires, names)
-        ]
+    names = ops.group_names(base, len(tensors))
+    group = (base, len(tensors))
+    with ops.refusal(runtime, kind, names, process_set, group):
+        wires = [adapter.stage(t, False, tensor_label("reducescatter", full))[0] for t, full in zip(tensors, names)]
+        with runtime.batch():  # the whole group reaches the engine at once, or none of it
+            handles = [
+                ops.reducescatter(runtime, wire, full, int(op), prescale_factor, postscale_factor, process_set, group)
+                for wire, full in zip(wires, names)
+            ]
     return _register_group(runtime, handle_id, handles, [(lambda t: lambda r: adapter.wrap(r, t))(t) for t in tensors])

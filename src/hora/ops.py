@@ -17,14 +17,15 @@ ranks of different process sets do different amounts of work).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from hora.collectives.reduce import ADASUM, AVERAGE, MAX, MIN, OP_NAMES, PRODUCT, SUM, DataType, data_type_of
 from hora.engine.handles import Handle
-from hora.engine.messages import RequestType
+from hora.engine.messages import RequestType, tensor_label
 from hora.process_sets import ProcessSet
 from hora.runtime import Runtime
 
@@ -66,6 +67,57 @@ def from_numpy(array: np.ndarray, *, writable: bool = False) -> Tensor:
     if dtype == DataType.BFLOAT16:
         storage = storage.view(np.uint16)
     return Tensor(storage, tuple(int(d) for d in array.shape), dtype)
+
+
+def group_names(base: str, count: int) -> list[str]:
+    """The names of a grouped call's tensors: ``<base>_0``, ``<base>_1``, ...
+
+    They do not depend on the group's size, so ranks that group different numbers of
+    tensors meet at the coordinator and fail with an error instead of waiting (Horovod
+    appends ``of<count>``, which makes them never meet).
+
+    Raises:
+        ValueError: ``count`` is 0.
+    """
+    if count == 0:
+        raise ValueError("grouped collectives need at least one tensor")
+    return [f"{base}_{i}" for i in range(count)]
+
+
+@contextlib.contextmanager
+def refusal(
+    runtime: Runtime,
+    kind: RequestType,
+    names: Sequence[str],
+    process_set: ProcessSet,
+    group: tuple[str, int] = ("", 0),
+) -> Iterator[None]:
+    """Runs a collective's local checks and submission, telling the others if they fail.
+
+    A check that only this rank fails (bad splits, a root out of range, a tensor it
+    cannot move, an object it cannot pickle; also an interrupt that lands here) raises
+    here at once, and is also sent to the coordinator under the collective's names, so
+    every rank of the set fails it with an error naming this rank and the reason instead
+    of waiting for this one.
+
+    Raises:
+        BaseException: what the checks raised.
+    """
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as exc:
+        try:
+            sid: int | None = set_id(runtime, process_set, "")
+        except ValueError:
+            sid = None  # not a member (or no such set): nobody waits for this rank
+        if sid is not None:
+            message = str(exc)
+            for name in names:  # the message names the collective already: keep what follows
+                prefix = tensor_label(kind.label, name) + ": "
+                if message.startswith(prefix):
+                    message = message[len(prefix) :]
+            runtime.refuse(kind, names, sid, f"{type(exc).__name__}: {message}", group)
+        raise
 
 
 def full_name(runtime: Runtime, op: str, name: str | None, process_set: ProcessSet) -> str:
@@ -142,7 +194,7 @@ def allreduce(
 
     Average is a sum with ``postscale`` divided by the set size, as in Horovod.
     """
-    label = f"allreduce '{name}'"
+    label = tensor_label("allreduce", name)
     _check_reduce(label, op, tensor, (AVERAGE, SUM, MIN, MAX, PRODUCT, ADASUM))
     sid = set_id(runtime, process_set, label)
     kind = RequestType.ALLREDUCE
@@ -170,7 +222,7 @@ def allgather(
     runtime: Runtime, tensor: Tensor, name: str, process_set: ProcessSet, group: tuple[str, int] = ("", 0)
 ) -> Handle:
     """Queues an allgather; the handle's result is the concatenation along dimension 0."""
-    label = f"allgather '{name}'"
+    label = tensor_label("allgather", name)
     sid = set_id(runtime, process_set, label)
     data = tensor.data
     if not tensor.shape:
@@ -184,7 +236,7 @@ def broadcast(
     runtime: Runtime, tensor: Tensor, output: np.ndarray, root_rank: int, name: str, process_set: ProcessSet
 ) -> Handle:
     """Queues a broadcast from ``root_rank`` (a rank within the set) into ``output``."""
-    label = f"broadcast '{name}'"
+    label = tensor_label("broadcast", name)
     sid = set_id(runtime, process_set, label)
     size = len(_members(runtime, sid))
     if not 0 <= int(root_rank) < size:
@@ -202,7 +254,7 @@ def alltoall(
     process_set: ProcessSet,
 ) -> Handle:
     """Queues an alltoall; the result is (received tensor, splits received from each rank)."""
-    label = f"alltoall '{name}'"
+    label = tensor_label("alltoall", name)
     sid = set_id(runtime, process_set, label)
     size = len(_members(runtime, sid))
     if not tensor.shape:
@@ -216,7 +268,10 @@ def alltoall(
             )
         split_list = [rows // size] * size
     else:
-        split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+        given = np.asarray(splits).reshape(-1)
+        if given.dtype.kind not in "iub" and not all(float(s).is_integer() for s in given):
+            raise ValueError(f"{label}: splits must be integers; got {given.tolist()}")
+        split_list = [int(s) for s in given]
         if len(split_list) != size:
             raise ValueError(f"{label}: splits has {len(split_list)} entries; the process set has {size} ranks")
         if any(s < 0 for s in split_list):
@@ -245,7 +300,7 @@ def reducescatter(
 ) -> Handle:
     """Queues a reducescatter; rank ``r`` receives rows ``[r*q + min(r, m), ...)`` of the
     reduced tensor, where ``q, m = divmod(rows, size)`` (the first ``m`` ranks get one more row)."""
-    label = f"reducescatter '{name}'"
+    label = tensor_label("reducescatter", name)
     _check_reduce(label, op, tensor, (AVERAGE, SUM))
     sid = set_id(runtime, process_set, label)
     if not tensor.shape:

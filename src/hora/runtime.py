@@ -141,6 +141,29 @@ class Runtime:
             pending.append(entry)
         return handle
 
+    def refuse(
+        self, kind: RequestType, names: Sequence[str], process_set_id: int, error: str, group: tuple[str, int] = ("", 0)
+    ) -> None:
+        """Tells the coordinator that this rank refused the collectives ``names`` (its own
+        checks failed with ``error``), so that every rank of the set fails them, naming
+        this rank, instead of waiting for this one. Names already in flight here (the
+        refusal was for that very reason) and a failed runtime are left alone. The names
+        stay free here: the program may retry at once.
+        """
+        entries = []
+        for name in names:
+            request = Request(
+                rank=self.rank, type=kind, name=name, process_set_id=process_set_id,
+                group=group[0], group_size=group[1], error=error,
+            )  # fmt: skip
+            entries.append(Entry(request, DataType.UINT8, None, None, Handle(name)))
+        if any(self.engine.queue.peek(process_set_id, name) is not None for name in names):
+            return  # the refusal was for a name in flight: the coordinator has that one
+        try:
+            self.engine.refuse(entries)
+        except HoraInternalError:
+            pass  # no job left to tell
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Queues every tensor this thread submits inside the block at once, when it ends.

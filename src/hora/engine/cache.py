@@ -47,6 +47,7 @@ def signature(request: Request) -> Signature:
         request.splits,
         request.group,
         request.group_size,
+        request.error,  # a refusal never matches a cached tensor
     )
 
 

@@ -12,23 +12,36 @@ data on the link between them never interleaves, and no cycle of waits can form
 (the earliest unfinished response always has all its members ready to run it).
 
 Grouped tensors (``grouped_allreduce`` and friends) are held back until the whole group
-is ready and then released together, so they fuse.
+is ready and then released together, so they fuse. A rank's group arrives at once
+(``submit_many``), so once one of its tensors is ready every member has sent its whole
+group: a group whose sizes differ across ranks fails, all of it, on every rank.
+
+Mismatched collectives that no check can see (a barrier on one rank and an allreduce on
+another, one name used for an allreduce here and an allgather there) are found as a
+deadlock: a rank reports itself *stuck* when every thread that submits collectives there
+waits for one, having received every response sent to it (``note_stuck``). Once stuck
+ranks wait only for tensors that stuck ranks have not submitted, none of them can ever
+move again, so after ``MISMATCH_GRACE`` seconds their tensors fail on every rank with a
+message that lists what each one waits for (``find_mismatches``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hora.engine import fusion, validate
 from hora.engine.cache import CoordinatorCache
-from hora.engine.messages import Request, RequestType, Response, ResponseType
+from hora.engine.messages import Request, RequestType, Response, ResponseType, split_name, tensor_label
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 
 GLOBAL = 0
+# Seconds a set of stuck ranks must stay stuck before their collectives fail as
+# mismatched: a thread that never submitted before may still be about to.
+MISMATCH_GRACE = 1.0
 
 
 @dataclasses.dataclass
@@ -77,6 +90,9 @@ class Coordinator:
         self._departed: set[int] = set()  # ranks that shut down; collectives needing them fail
         self._last_joined = -1
         self._next_set_id = 1
+        self._sent = [0] * size  # responses handed out for each rank (see take)
+        self._stuck: dict[int, float] = {}  # rank -> when it reported itself stuck (see note_stuck)
+        self._examine_at: float | None = None  # when find_mismatches next has something to look at
         self.timeline: Timeline | None = None  # set while rank 0 records one
 
     def submit_cached(self, rank: int, cache_id: int) -> None:
@@ -85,28 +101,51 @@ class Coordinator:
         Raises:
             ProtocolError: the id is unknown for this rank.
         """
-        try:
-            request = self.cache.request(rank, cache_id)
-        except (IndexError, KeyError):
-            raise ProtocolError(f"rank {rank} sent unknown cache id {cache_id}") from None
-        self.submit(request, cache_id)
+        self.submit_many([], [cache_id], rank)
+
+    def submit_many(self, requests: Sequence[Request], cached: Sequence[int] = (), rank: int = -1) -> None:
+        """Records what ``rank`` submitted at once (full requests, and tensors it sent by
+        cache id), then checks what became ready: a rank's grouped call is thus whole
+        here before any of its tensors is validated.
+
+        Raises:
+            ProtocolError: a cache id is unknown for ``rank``.
+        """
+        recorded = [self._record(request) for request in requests]
+        for cache_id in cached:
+            try:
+                request = self.cache.request(rank, cache_id)
+            except (IndexError, KeyError):
+                raise ProtocolError(f"rank {rank} sent unknown cache id {cache_id}") from None
+            recorded.append(self._record(request, cache_id))
+        for found in recorded:
+            # A tensor that an earlier one's failure took away (its group) is gone.
+            if found is not None and self._pending.get(found[0]) is found[1]:
+                self._check_ready(*found)
 
     def submit(self, request: Request, cache_id: int = -1) -> None:
         """Records one rank's request; what becomes ready is returned by ``take``."""
+        found = self._record(request, cache_id)
+        if found is not None:
+            self._check_ready(*found)
+
+    def _record(self, request: Request, cache_id: int = -1) -> tuple[tuple[int, str], _Pending, tuple[int, ...]] | None:
+        """Files one request; returns where it went, or None when it was answered at once."""
+        self._stuck.pop(request.rank, None)  # a rank that submits is not stuck
         if request.type == RequestType.JOIN:
             self._join(request.rank)
-            return
+            return None
         members = self.sets.get(request.process_set_id)
         if members is None or request.rank not in members:
             # The rank checked this locally; a race with remove_process_set can still land here.
             error = f"{request.label}: process set {request.process_set_id} does not exist"
             error += "" if members is None else f" or does not include rank {request.rank}"
             self._emit(Response(ResponseType.ERROR, [request.name], request.process_set_id, error=error), (request.rank,))
-            return
+            return None
         gone = self._departed.intersection(members)
         if gone:
             self._emit(_aborted(request.label, request.name, request.process_set_id, gone), (request.rank,))
-            return
+            return None
         key = (request.process_set_id, request.name)
         pending = self._pending.get(key)
         if pending is None:
@@ -118,7 +157,7 @@ class Coordinator:
         pending.requests[request.rank] = request
         if cache_id >= 0:
             pending.cached[request.rank] = cache_id
-        self._check_ready(key, pending, members)
+        return key, pending, members
 
     def depart(self, rank: int) -> None:
         """Records that ``rank`` shut down: collectives that need it fail, others go on."""
@@ -143,7 +182,70 @@ class Coordinator:
         # Fused responses are new objects; all their parts belong to one process set.
         members_by_set = {r.process_set_id: m for r, m in ready if r.type in fusion.FUSABLE}
         fused = fusion.fuse([response for response, _ in ready], self._fusion_threshold)
-        return [(r, members_of.get(id(r)) or members_by_set[r.process_set_id]) for r in fused]
+        taken = [(r, members_of.get(id(r)) or members_by_set[r.process_set_id]) for r in fused]
+        for _, members in taken:
+            for member in members:
+                self._sent[member] += 1
+                self._stuck.pop(member, None)  # this response may be what it waits for
+        return taken
+
+    # ----- mismatches no check can see -----
+
+    def note_stuck(self, rank: int, received: int) -> None:
+        """Records that every thread submitting collectives on ``rank`` waits for one, with
+        ``received`` responses received: ignored when more were sent since (one of them
+        may free it). A request from the rank, or a response to it, clears it."""
+        if received == self._sent[rank] and rank not in self._stuck:
+            now = self._clock()
+            self._stuck[rank] = now
+            self._examine_at = min(self._examine_at or float("inf"), now + MISMATCH_GRACE)
+
+    def seconds_to_mismatch_check(self) -> float | None:
+        """How long the engine may sleep before ``find_mismatches`` has something to do."""
+        return None if self._examine_at is None else max(0.0, self._examine_at - self._clock())
+
+    def find_mismatches(self) -> None:
+        """Fails the collectives of ranks that can never move again (see the module doc).
+
+        A rank stuck for ``MISMATCH_GRACE`` waits for the pending tensors it submitted;
+        it is doomed when each of them misses a rank that is itself doomed (so no
+        submission can ever complete them). Every tensor a doomed rank submitted then
+        fails, on every member of its set, with one message naming what each waits for.
+        """
+        now = self._clock()
+        if self._examine_at is None or now < self._examine_at:
+            return  # nothing changed since the last look: a rank became stuck, or its grace ran out
+        stuck = {rank for rank, since in self._stuck.items() if now - since >= MISMATCH_GRACE}
+        younger = [since + MISMATCH_GRACE for rank, since in self._stuck.items() if rank not in stuck]
+        self._examine_at = min(younger, default=None)
+        if not stuck:
+            return
+        waits: dict[int, list[tuple[tuple[int, str], set[int]]]] = {}
+        for key, pending in self._pending.items():
+            members = self.sets.get(key[0]) or ()
+            missing = {r for r in members if r not in pending.requests and r not in self._joined}
+            for rank in pending.requests:
+                if rank in stuck:
+                    waits.setdefault(rank, []).append((key, missing))
+        doomed = set(waits)
+        changed = True
+        while changed:  # drop ranks with a tensor that ranks not doomed could still complete
+            changed = False
+            for rank in list(doomed):
+                if any(not missing & doomed for _, missing in waits[rank]):
+                    doomed.discard(rank)
+                    changed = True
+        if not doomed:
+            return
+        error = _mismatch_message({rank: waits[rank] for rank in sorted(doomed)}, self._pending)
+        for key in {key for rank in doomed for key, _ in waits[rank]}:
+            pending = self._pending.pop(key)
+            if self.timeline is not None:
+                self.timeline.end(key[1])
+            members = self.sets.get(key[0]) or tuple(sorted(pending.requests))
+            self._emit(Response(ResponseType.ERROR, [key[1]], key[0], error=error), members)
+        for rank in doomed:
+            self._stuck.pop(rank, None)
 
     def stalls(self, older_than: float) -> list[Stall]:
         """Tensors that have waited longer than ``older_than`` seconds for some ranks."""
@@ -182,6 +284,9 @@ class Coordinator:
         if self.timeline is not None:
             self.timeline.end(key[1])
         requests = [pending.requests[rank] for rank in sorted(pending.requests)]
+        if requests[0].group and len({r.group_size for r in requests}) > 1:
+            self._fail_group(key, requests, members)
+            return
         ids = set(pending.cached.values())
         if len(ids) == 1 and len(pending.cached) == len(requests) and not self._joined.intersection(members):
             # Every rank sent the same tensor unchanged: reuse the validated response.
@@ -207,6 +312,21 @@ class Coordinator:
                 self._emit(response, members)
             return
         self._emit(response, members)
+
+    def _fail_group(self, key: tuple[int, str], requests: list[Request], members: tuple[int, ...]) -> None:
+        """Fails every tensor of a grouped call whose number of tensors differs across
+        ranks (the one found ready, those held, those pending), on every member: each
+        member sent its whole group already (``submit_many``), so no more will come."""
+        set_id, group = key[0], requests[0].group
+        names = [key[1], *(name for response in self._groups.pop((set_id, group), []) for name in response.names)]
+        for other in [k for k, p in self._pending.items() if k[0] == set_id and any(r.group == group for r in p.requests.values())]:
+            del self._pending[other]
+            if self.timeline is not None:
+                self.timeline.end(other[1])
+            names.append(other[1])
+        sizes = validate.describe({r.rank: str(r.group_size) for r in requests})
+        error = f"{tensor_label(requests[0].type.label, group)}: numbers of tensors in the grouped call differ across ranks: {sizes}"
+        self._emit(Response(ResponseType.ERROR, names, set_id, error=error), members)
 
     def _emit(self, response: Response, members: tuple[int, ...]) -> None:
         self._ready.append((response, members))
@@ -251,3 +371,26 @@ def _aborted(label: str, name: str, set_id: int, gone: set[int]) -> Response:
         set_id,
         error=f"{label} cannot run: rank {ranks} of its process set has shut down",
     )
+
+
+def _mismatch_message(waits: dict[int, list[tuple[tuple[int, str], set[int]]]], pending: dict[tuple[int, str], _Pending]) -> str:
+    """What each rank of a deadlock waits for, and a hint when one name serves two operations."""
+    parts = []
+    uses: dict[str, set[str]] = {}
+    for rank, tensors in waits.items():
+        described = []
+        for key, missing in tensors:
+            request = pending[key].requests[rank]
+            described.append(f"{request.label} (not submitted by rank {', '.join(map(str, sorted(missing)))})")
+            op, shown = split_name(request.type.label, request.name)
+            if shown is not None:
+                uses.setdefault(f"'{shown}'", set()).add(op)
+        parts.append(f"rank {rank} waits for " + ", ".join(described))
+    message = (
+        "collectives do not match across ranks: each of these ranks waits for a collective that another of them "
+        "never submitted, so none can run: " + "; ".join(parts)
+    )
+    shared = [f"{name} is used for {' and '.join(sorted(ops))}" for name, ops in uses.items() if len(ops) > 1]
+    if shared:
+        message += " (the name " + "; ".join(shared) + ")"
+    return message

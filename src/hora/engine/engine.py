@@ -87,10 +87,22 @@ LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it 
 # woken by every frame only to find a caller reading it costs a core on small machines.
 # This bounds how late a parked engine thread serves what no caller waits for.
 PARK_SECONDS = 2e-3
+LEAVE_WAIT = 60.0  # seconds a leaving worker waits for rank 0 to acknowledge its shutdown
+TIMELINE_WAIT = 60.0  # seconds start_timeline/stop_timeline wait for an engine pass to take the request
 
 
 class _JobFailed(Exception):
-    """Ends the engine loop; the message is the reason every pending op fails with."""
+    """Ends the engine loop; the message is the reason every pending op fails with.
+
+    Args:
+        reason: the message.
+        settled: the reason is rank 0's account (an ABORT or another rank's FAILURE):
+            it names the root cause already.
+    """
+
+    def __init__(self, reason: str, settled: bool = False) -> None:
+        super().__init__(reason)
+        self.settled = settled
 
 
 class Engine:
@@ -195,6 +207,14 @@ class Engine:
         self._leaving_since: float | None = None  # set once this rank began to leave
         self._lingering_noted = False
         self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
+        # Mismatch detection (_report_stuck): threads that submitted collectives here, by
+        # ident (written by them, read in passes: whole-dict reads only), threads now in
+        # drive(), responses received, and the count last reported stuck (-1: none since
+        # the last submission).
+        self._submitters: dict[int, threading.Thread] = {}
+        self._waiting: set[int] = set()
+        self._received = 0
+        self._stuck_reported = -1
         self.failure: str | None = None  # why the job failed on this rank, once it has
         self._thread = threading.Thread(target=self._run, name=f"hora-engine-{self.rank}", daemon=True)
 
@@ -202,6 +222,12 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+
+    def refuse(self, entries: list[Entry]) -> None:
+        """Announces requests this rank refused (``Request.error``) without holding their
+        names (see ``TensorQueue.add_refusals``)."""
+        self.queue.add_refusals(entries)
+        self._wake()
 
     def submit(self, entry: Entry) -> None:
         """Queues a tensor for negotiation (see ``submit_many``)."""
@@ -222,6 +248,8 @@ class Engine:
         if not entries:
             return
         self.queue.add_many(entries)
+        thread = threading.current_thread()
+        self._submitters[thread.ident or 0] = thread
         # The shield goes up before the lock is taken: no signal handler may raise between
         # taking it and the block that lets it go (it would stay taken for ever).
         shielded = self._shield.enter()
@@ -264,8 +292,8 @@ class Engine:
         the job with the error), it blocks on the handle, which the engine thread completes.
         On the engine thread, returns at once.
 
-        Invariant: a thread sleeps on its bell only after registering it and then seeing
-        the lock taken, and every release of the lock rings every registered bell, so no
+        Invariant: a thread sleeps on its bell only after registering it and then failing
+        to take the lock, and every release of the lock rings every registered bell, so no
         thread sleeps while the lock is free and its handle unfinished. On the main thread
         the interrupt shield is up from before the lock is taken until after it is let go
         (``hora.engine.interrupts``).
@@ -273,6 +301,14 @@ class Engine:
         if threading.current_thread() is self._thread:
             return
         me = threading.get_ident()
+        self._waiting.add(me)
+        try:
+            self._drive_or_sleep(me, handle)
+        finally:
+            self._waiting.discard(me)
+
+    def _drive_or_sleep(self, me: int, handle: Handle) -> None:
+        """``drive``'s loop."""
         while not handle.done():
             # The shield goes up before the lock is taken and comes down after it is let
             # go (see submit_many); in between, only the bell wait is a safe point.
@@ -347,6 +383,7 @@ class Engine:
                 poller = self._callers_poller()
                 if self._settled_on_lane(handle, poller, spin):
                     continue
+                self._report_stuck()  # before this thread may sleep (it is in _waiting)
                 events = self._poll(poller, caller=True, spin=spin)
                 # Woken by nothing (a lane wait's recheck): the answer is not imminent, so
                 # the next wait sleeps at once instead of spinning again.
@@ -368,7 +405,10 @@ class Engine:
         self._caller_left = time.perf_counter()
         self._driving = False
         lane_waits = self._lane is not None and self._lane.pending is not None
-        return self._caller_error is not None or self._busy() or self.queue.has_new() or lane_waits
+        # The engine thread must see what this thread read and left: a stop among them.
+        return (
+            self._caller_error is not None or self._stop_requested or self._busy() or self.queue.has_new() or lane_waits
+        )
 
     def stop(self) -> None:
         """Makes this rank leave the job and waits until its engine has finished.
@@ -385,18 +425,27 @@ class Engine:
     def set_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
         """Starts recording a timeline into ``path`` (rank 0 only), or stops with None.
 
-        Blocks until the engine thread has switched, so the file is complete on return
+        Blocks until an engine pass has switched, so the file is complete on return
         from a stop.
 
         Raises:
             OSError: the file cannot be created.
+            TimeoutError: no pass took the request within ``TIMELINE_WAIT`` seconds.
         """
         if self._coordinator is None or not self._thread.is_alive():
             return
         self._timeline_applied.clear()
         self._timeline_request = (path, mark_cycles)
         self._wake()
-        self._timeline_applied.wait()
+        deadline = time.monotonic() + TIMELINE_WAIT
+        while not self._timeline_applied.wait(1.0):  # a pass applies it, on any thread
+            if not self._thread.is_alive():
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{'stop' if path is None else 'start'}_timeline: the engine did not take the request within "
+                    f"{TIMELINE_WAIT:g} s; it is busy with {self._executor.describe()}"
+                )
         error = self._timeline_error
         if error is not None:
             raise error
@@ -426,7 +475,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every failure must fail the handles, never hang them
             with self._drive:
                 self._finished = True
-                self._fail(self._reason(exc))
+                self._fail(self._reason(exc), settled=isinstance(exc, _JobFailed) and exc.settled)
             self._ring_bells()
         finally:
             with self._drive:
@@ -515,6 +564,7 @@ class Engine:
         if new:
             self._announce(new)
         if self._coordinator is not None:
+            self._coordinator.find_mismatches()
             self._distribute(self._coordinator.take())
         if self._timeline is not None and (new or self._responses):
             self._timeline.cycle()
@@ -524,7 +574,29 @@ class Engine:
             self._stall.check(self._coordinator)
         if self._lane is not None:
             self._lane.serve(self._lane_busy())
+        if self._waiting:
+            self._report_stuck()
         return worked
+
+    def _report_stuck(self) -> None:
+        """Tells the coordinator when every thread that submits collectives here waits for
+        one, with every response sent here executed (``Coordinator.note_stuck``): it
+        fails the collectives of ranks that can never move again. Threads that ended
+        do not count; a wait with a timeout is not a wait here (it never drives)."""
+        received = self._received
+        if received == self._stuck_reported or self._responses:
+            return
+        if self._lane is not None and self._lane.pending is not None:
+            return  # the lane may still answer
+        waiting = self._waiting
+        for ident, thread in tuple(self._submitters.items()):
+            if ident not in waiting and thread.is_alive():
+                return
+        self._stuck_reported = received
+        if self._coordinator is not None:
+            self._coordinator.note_stuck(self.rank, received)
+        elif 0 in self._links:
+            self._links[0].send_frame(messages.STUCK, messages.encode_count(received), self._watch)
 
     def _settle_lane(self) -> bool | None:
         """Completes this rank's lane proposal once settled, or sends it the coordinator's way.
@@ -648,7 +720,8 @@ class Engine:
         """How long a wait may block: until the next stall check or lingering notice."""
         timeout_ms: float | None = None
         if self._stall is not None and self._coordinator is not None:
-            seconds = self._stall.seconds_to_next_check(self._coordinator)
+            checks = (self._stall.seconds_to_next_check(self._coordinator), self._coordinator.seconds_to_mismatch_check())
+            seconds = min((c for c in checks if c is not None), default=None)
             timeout_ms = None if seconds is None else seconds * 1000.0
         if not caller and self._leaving_since is not None and not self._lingering_noted:
             notice = max(0.0, self._leaving_since + LINGER_NOTICE - time.monotonic()) * 1000.0
@@ -705,7 +778,7 @@ class Engine:
 
     def _on_frame(self, link: Link, kind: int, payload: bytes) -> None:
         if kind in (messages.ABORT, messages.FAILURE):
-            raise _JobFailed(messages.decode_reason(payload))
+            raise _JobFailed(messages.decode_reason(payload), settled=True)
         if self._coordinator is not None and kind == messages.SHUTDOWN:
             self._farewells.add(link.peer)
             # Responses already decided still reach the leaving rank, which runs them.
@@ -717,11 +790,13 @@ class Engine:
             for request in requests:
                 if request.rank != link.peer:
                     raise ProtocolError(f"rank {link.peer} sent a request in the name of rank {request.rank}")
-                self._coordinator.submit(request)
-            for cache_id in cached:
-                self._coordinator.submit_cached(link.peer, cache_id)
+            self._coordinator.submit_many(requests, cached, link.peer)
+        elif self._coordinator is not None and kind == messages.STUCK:
+            self._coordinator.note_stuck(link.peer, messages.decode_count(payload))
         elif self._coordinator is None and kind == messages.RESPONSES:
-            self._responses.extend(messages.decode_responses(payload))
+            responses = messages.decode_responses(payload)
+            self._received += len(responses)
+            self._responses.extend(responses)
         else:
             raise ProtocolError(f"rank {link.peer} sent an unexpected control frame (kind {kind})")
 
@@ -729,7 +804,7 @@ class Engine:
         """Runs while a collective waits: an abort or an unexpected hang-up ends it."""
         for kind, payload in link.frames:
             if kind in (messages.ABORT, messages.FAILURE):
-                raise _JobFailed(messages.decode_reason(payload))
+                raise _JobFailed(messages.decode_reason(payload), settled=True)
             if kind == messages.SHUTDOWN:
                 self._farewells.add(link.peer)
         if link.closed_by_peer and link.peer not in self._farewells:
@@ -757,11 +832,9 @@ class Engine:
                 cached.append(cache_id)
         if fast_lane is not None and entries:
             fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
+        self._stuck_reported = -1  # a rank that submits is not stuck
         if self._coordinator is not None:
-            for request in requests:
-                self._coordinator.submit(request)
-            for cache_id in cached:
-                self._coordinator.submit_cached(self.rank, cache_id)
+            self._coordinator.submit_many(requests, cached, self.rank)
         else:
             payload = messages.encode_requests(requests, cached)
             self._links[0].send_frame(messages.REQUESTS, payload, self._watch)
@@ -771,6 +844,7 @@ class Engine:
         for response, members in ready:
             for member in members:
                 if member == self.rank:
+                    self._received += 1
                     self._responses.append(response)
                 elif member in self._links:
                     by_rank.setdefault(member, []).append(response)
@@ -883,27 +957,38 @@ class Engine:
             pass  # rank 0 already closed: nothing left to say
         poller = select.poll()
         poller.register(control.fileno(), select.POLLIN)
+        deadline = time.monotonic() + LEAVE_WAIT
         while True:
             while control.frames:
                 kind, payload = control.frames.popleft()
                 if kind in (messages.ABORT, messages.FAILURE):
-                    raise _JobFailed(messages.decode_reason(payload))
+                    raise _JobFailed(messages.decode_reason(payload), settled=True)
                 if kind == messages.RESPONSES:
                     for response in messages.decode_responses(payload):
                         self._executor.run(response)
             if control.closed_by_peer:
                 return
-            poller.poll()
-            control.pump()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning(
+                    "hora: rank %d: rank 0 did not answer its shutdown within %g s (frozen?); leaving anyway",
+                    self.rank,
+                    LEAVE_WAIT,
+                )
+                return
+            if poller.poll(remaining * 1000.0):
+                control.pump()
 
-    def _fail(self, reason: str) -> None:
-        """Fails the job on this rank, telling the others, and settles on the root cause."""
+    def _fail(self, reason: str, settled: bool = False) -> None:
+        """Fails the job on this rank, telling the others, and settles on the root cause
+        (unless ``settled``: the reason is rank 0's account already)."""
         if self._coordinator is not None:
             for link in list(self._links.values()):
                 self._send_quietly(link, messages.ABORT, messages.encode_reason(reason))
-        elif 0 in self._links and not self._links[0].closed_by_peer:
+        elif 0 in self._links and not settled:
             control = self._links[0]
-            self._send_quietly(control, messages.FAILURE, messages.encode_reason(f"rank {self.rank}: {reason}"))
+            if not control.closed_by_peer:
+                self._send_quietly(control, messages.FAILURE, messages.encode_reason(f"rank {self.rank}: {reason}"))
             reason = self._await_abort(control, reason)
         self.failure = reason
         log.error("hora: rank %d: %s", self.rank, reason)
@@ -911,7 +996,12 @@ class Engine:
         self._executor.abandon(internal_error(reason))
 
     def _await_abort(self, control: Link, reason: str) -> str:
-        """Waits briefly for rank 0's ABORT, whose reason names the root cause."""
+        """Waits briefly for rank 0's ABORT, whose reason names the root cause.
+
+        Rank 0 closing its end without one means rank 0 itself was lost: that is then the
+        root cause (every rank that failed after it sees it so), not the peer whose loss
+        this rank happened to notice first (which may only have failed because rank 0 did).
+        """
         deadline = time.monotonic() + ROOT_CAUSE_WAIT
         poller = select.poll()
         poller.register(control.fileno(), select.POLLIN)
@@ -920,7 +1010,9 @@ class Engine:
                 if kind == messages.ABORT:
                     return messages.decode_reason(payload)
             remaining = deadline - time.monotonic()
-            if control.closed_by_peer or remaining <= 0:
+            if control.closed_by_peer:
+                return reason if 0 in self._farewells else self._lost(control, control.close_detail)
+            if remaining <= 0:
                 return reason
             if poller.poll(remaining * 1000.0):
                 try:

@@ -32,6 +32,7 @@ RESPONSES = 2  # coordinator -> worker: ResponseList
 SHUTDOWN = 3  # either way: the sender is shutting down (payload: reason)
 ABORT = 4  # coordinator -> worker: the job failed (payload: reason)
 FAILURE = 5  # worker -> coordinator: this worker hit an error (payload: reason)
+STUCK = 6  # worker -> coordinator: every thread that submits here waits (payload: responses received)
 
 
 class RequestType(enum.IntEnum):
@@ -66,6 +67,24 @@ class ResponseType(enum.IntEnum):
     ABORTED = 30  # cannot run: a member of its process set has shut down
 
 
+def tensor_label(op: str, name: str) -> str:
+    """Names a tensor for messages, its operation once: ``allreduce.grad`` ->
+    ``allreduce 'grad'``; a grouped call's tensor ``grouped_allreduce.g_1`` ->
+    ``grouped_allreduce 'g_1'``; a barrier -> ``barrier``."""
+    shown_op, shown = split_name(op, name)
+    return shown_op if shown is None else f"{shown_op} '{shown}'"
+
+
+def split_name(op: str, name: str) -> tuple[str, str | None]:
+    """A tensor's name as (operation, the name the program gave; None for a barrier)."""
+    if name == op:
+        return op, None
+    for prefix in (f"{op}.", f"grouped_{op}."):
+        if name.startswith(prefix):
+            return prefix[:-1], name[len(prefix) :]
+    return op, name
+
+
 @dataclasses.dataclass
 class Request:
     """One rank's description of one tensor it submitted.
@@ -84,6 +103,9 @@ class Request:
         splits: alltoall split sizes; the ranks of a process set to add.
         group: the name of the grouped call this tensor belongs to, or "".
         group_size: the number of tensors in that grouped call.
+        error: set when this rank's own checks refused the tensor (bad splits, a root
+            out of range, ...): the coordinator then fails it on every rank, naming
+            this rank and the message, instead of running it.
     """
 
     rank: int
@@ -99,19 +121,18 @@ class Request:
     splits: tuple[int, ...] = ()
     group: str = ""
     group_size: int = 0
+    error: str = ""
 
     @property
     def label(self) -> str:
-        """``<op> '<name>'`` for messages, without the ``<op>.`` prefix bindings add to names."""
-        prefix = self.type.label + "."
-        shown = self.name[len(prefix) :] if self.name.startswith(prefix) else self.name
-        return f"{self.type.label} '{shown}'"
+        """``<op> '<name>'`` for messages (see ``tensor_label``)."""
+        return tensor_label(self.type.label, self.name)
 
     def encode(self, writer: Writer) -> None:
         writer.fixed(_RANK_TYPE, self.rank, self.type).string(self.name)
         writer.fixed(_SET_DTYPE, self.process_set_id, self.dtype).i64s(self.shape)
         writer.fixed(_OP_SCALES, self.reduce_op, self.root_rank, self.prescale, self.postscale)
-        writer.i64s(self.splits).string(self.group).u32(self.group_size)
+        writer.i64s(self.splits).string(self.group).u32(self.group_size).string(self.error)
 
     @classmethod
     def decode(cls, reader: Reader) -> Request:
@@ -134,6 +155,7 @@ class Request:
             splits=tuple(reader.i64s()),
             group=reader.string(),
             group_size=reader.u32(),
+            error=reader.string(),
         )
 
 
@@ -230,6 +252,17 @@ def decode_responses(payload: bytes) -> list[Response]:
     responses = [Response.decode(reader) for _ in range(reader.count())]
     reader.done()
     return responses
+
+
+def encode_count(count: int) -> bytes:
+    return Writer().i64(count).bytes()
+
+
+def decode_count(payload: bytes) -> int:
+    reader = Reader(payload)
+    count = reader.i64()
+    reader.done()
+    return count
 
 
 def encode_reason(reason: str) -> bytes:

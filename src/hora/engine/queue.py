@@ -5,7 +5,8 @@ the coordinator, and ``pop``s each by name when its response arrives. Names are
 unique per process set among entries in flight.
 
 Invariant: an entry is in ``_entries`` from ``add`` until ``pop`` or ``close``, and
-appears in ``_new`` at most once, before it is drained.
+appears in ``_new`` at most once, before it is drained. Refusals (``add_refusals``) are
+only ever in ``_new``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ class TensorQueue:
                 keys.add(entry.key)
             for entry in entries:
                 self._entries[entry.key] = entry
+            self._new.extend(entries)
+
+    def add_refusals(self, entries: list[Entry]) -> None:
+        """Queues requests to announce that are no tensors of this rank: refusals
+        (``Request.error``). They never hold their names here, so the program may retry
+        at once, and nothing waits for them.
+
+        Raises:
+            HoraInternalError: the runtime has shut down or failed.
+        """
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed(entries[0])
             self._new.extend(entries)
 
     def seal(self, error_for: Callable[[Entry], BaseException]) -> None:

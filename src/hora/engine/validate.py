@@ -60,6 +60,11 @@ def construct(requests: list[Request], set_ranks: Sequence[int], joined: set[int
     """
     first = requests[0]
     label = first.label
+    refused = {r.rank: r.error for r in requests if r.error}
+    if refused:
+        # A rank's own checks refused the tensor: every rank raises, naming it.
+        reasons = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(refused.items()))
+        return Response(ResponseType.ERROR, [first.name], first.process_set_id, error=f"{label}: refused by {reasons}")
     try:
         _agree(requests, "operations", lambda r: r.type, lambda r: r.type.label)
         return _build(first.type, requests, set_ranks, joined)

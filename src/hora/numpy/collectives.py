@@ -44,8 +44,8 @@ class NumpyAdapter:
     def wrap(self, array: np.ndarray, like: np.ndarray) -> np.ndarray:
         return self._restore(array, like.dtype)
 
-    def splits(self, splits: Sequence[int] | np.ndarray | None) -> list[int] | None:
-        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+    def splits(self, splits: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
+        return None if splits is None else np.asarray(splits).reshape(-1)  # ops checks they are integers
 
     def alltoall_result(self, output: np.ndarray, received: np.ndarray, splits_given: bool) -> Any:
         return (output, received) if splits_given else output

@@ -147,10 +147,5 @@ def wait_all(handles: Sequence[Handle]) -> list[Any]:
     return results
 
 
-def group_names(base: str, count: int) -> list[str]:
-    """Names of a group's members: ``<base>_<i>of<n>``, as Horovod names them."""
-    return [f"{base}_{i}of{count}" for i in range(count)]
-
-
 def is_float(dtype: Any) -> bool:
     return bool(tf.as_dtype(dtype).is_floating)

@@ -6,13 +6,15 @@ when eager, or as a ``tf.py_function`` op inside ``tf.function``. Names of unnam
 collectives are drawn when the kernel *runs*, so they follow execution order, which
 every rank shares.
 
-A kernel validates every input before it submits any, so a local error never
-leaves part of a group in flight; it then waits for every handle it submitted before
-raising the first error.
+A kernel names its inputs first, then validates every input before it submits any,
+so a local error never leaves part of a group in flight (and is sent to the other
+ranks, which fail the collective too: ``ops.refusal``); a group is queued at once. It
+then waits for every handle it submitted before raising the first error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,9 @@ import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora import ops
 from hora.api import current
+from hora.collectives.reduce import ADASUM
 from hora.engine.handles import Handle
+from hora.engine.messages import RequestType
 from hora.process_sets import ProcessSet
 from hora.tensorflow import bridge
 from hora.tensorflow.bridge import Kernel
@@ -28,24 +32,46 @@ from hora.tensorflow.bridge import Kernel
 
 def _names(op: str, name: str | None, count: int, grouped: bool, process_set: ProcessSet) -> tuple[list[str], str]:
     base = ops.full_name(current(), f"grouped_{op}" if grouped else op, name, process_set)
-    return (bridge.group_names(base, count) if grouped else [base]), base
+    return (ops.group_names(base, count) if grouped else [base]), base
+
+
+def _submit(
+    kind: RequestType, op: str, name: str | None, tensors: Sequence[Any], grouped: bool, process_set: ProcessSet,
+    queue: Callable[[list[ops.Tensor], list[str], tuple[str, int]], list[Handle]],
+) -> tuple[list[ops.Tensor], list[Handle]]:  # fmt: skip
+    """Names the inputs, views them, and queues them with ``queue(wires, names, group)``:
+    a group all at once; a check that fails here fails on every rank (``ops.refusal``).
+    Names are drawn first, so an input refused here still uses up its name."""
+    runtime = current()
+    names, base = _names(op, name, len(tensors), grouped, process_set)
+    # Grouped broadcasts carry no group on the wire (see broadcast).
+    group = (base, len(tensors)) if grouped and kind != RequestType.BROADCAST else ("", 0)
+    with ops.refusal(runtime, kind, names, process_set, group):
+        wires = [bridge.view(t) for t in tensors]
+        if not grouped:
+            return wires, queue(wires, names, group)
+        with runtime.batch():  # the whole group reaches the engine at once, or none of it
+            handles = queue(wires, names, group)
+    return wires, handles
 
 
 def allreduce(
     name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet, grouped: bool
 ) -> Kernel:
     """Kernel: reduces each input over the set; outputs keep the inputs' shapes and dtypes."""
+    kind = RequestType.ADASUM if op == ADASUM else RequestType.ALLREDUCE
 
     def kernel(*tensors: Any) -> list[Any]:
-        runtime = current()
-        wires = [bridge.view(t) for t in tensors]
-        names, base = _names("allreduce", name, len(tensors), grouped, process_set)
-        group = (base, len(tensors)) if grouped else ("", 0)
-        outputs = [bridge.empty(w.data.size, w.data.dtype) for w in wires]
-        handles = [
-            ops.allreduce(runtime, w, out, full, op, prescale, postscale, process_set, group)
-            for w, out, full in zip(wires, outputs, names)
-        ]
+        outputs: list[np.ndarray] = []
+
+        def queue(wires: list[ops.Tensor], names: list[str], group: tuple[str, int]) -> list[Handle]:
+            outputs.extend(bridge.empty(w.data.size, w.data.dtype) for w in wires)
+            return [
+                ops.allreduce(current(), w, out, full, op, prescale, postscale, process_set, group)
+                for w, out, full in zip(wires, outputs, names)
+            ]
+
+        wires, handles = _submit(kind, "allreduce", name, tensors, grouped, process_set, queue)
         bridge.wait_all(handles)
         return [bridge.wrap(out, w.shape, t.dtype) for out, w, t in zip(outputs, wires, tensors)]
 
@@ -56,11 +82,10 @@ def allgather(name: str | None, process_set: ProcessSet, grouped: bool) -> Kerne
     """Kernel: concatenates each input over the set along dimension 0, in set-rank order."""
 
     def kernel(*tensors: Any) -> list[Any]:
-        runtime = current()
-        wires = [bridge.view(t) for t in tensors]
-        names, base = _names("allgather", name, len(tensors), grouped, process_set)
-        group = (base, len(tensors)) if grouped else ("", 0)
-        handles = [ops.allgather(runtime, w, full, process_set, group) for w, full in zip(wires, names)]
+        def queue(wires: list[ops.Tensor], names: list[str], group: tuple[str, int]) -> list[Handle]:
+            return [ops.allgather(current(), w, full, process_set, group) for w, full in zip(wires, names)]
+
+        _, handles = _submit(RequestType.ALLGATHER, "allgather", name, tensors, grouped, process_set, queue)
         results = bridge.wait_all(handles)
         return [bridge.wrap(r, r.shape, t.dtype) for r, t in zip(results, tensors)]
 
@@ -71,13 +96,17 @@ def broadcast(name: str | None, root_rank: int, process_set: ProcessSet, grouped
     """Kernel: every input takes the root's value."""
 
     def kernel(*tensors: Any) -> list[Any]:
-        runtime = current()
-        wires = [bridge.view(t) for t in tensors]
-        names, _ = _names("broadcast", name, len(tensors), grouped, process_set)
-        outputs = [bridge.empty(w.data.size, w.data.dtype) for w in wires]
-        handles = [
-            ops.broadcast(runtime, w, out, root_rank, full, process_set) for w, out, full in zip(wires, outputs, names)
-        ]
+        outputs: list[np.ndarray] = []
+
+        def queue(wires: list[ops.Tensor], names: list[str], group: tuple[str, int]) -> list[Handle]:
+            outputs.extend(bridge.empty(w.data.size, w.data.dtype) for w in wires)
+            return [
+                ops.broadcast(current(), w, out, root_rank, full, process_set)
+                for w, out, full in zip(wires, outputs, names)
+            ]
+
+        # A grouped broadcast is a list of broadcasts (no group on the wire), queued at once.
+        wires, handles = _submit(RequestType.BROADCAST, "broadcast", name, tensors, grouped, process_set, queue)
         bridge.wait_all(handles)
         return [bridge.wrap(out, w.shape, t.dtype) for out, w, t in zip(outputs, wires, tensors)]
 
@@ -91,12 +120,12 @@ def alltoall(name: str | None, process_set: ProcessSet) -> Kernel:
     """
 
     def kernel(tensor: Any, splits: Any) -> list[Any]:
-        runtime = current()
-        wire = bridge.view(tensor)
-        split_list = splits.numpy().reshape(-1) if int(tf.size(splits)) else None
-        (full,), _ = _names("alltoall", name, 1, False, process_set)
-        handle = ops.alltoall(runtime, wire, split_list, full, process_set)
-        result, received = bridge.wait_all([handle])[0]
+        def queue(wires: list[ops.Tensor], names: list[str], group: tuple[str, int]) -> list[Handle]:
+            split_list = splits.numpy().reshape(-1) if int(tf.size(splits)) else None
+            return [ops.alltoall(current(), wires[0], split_list, names[0], process_set)]
+
+        _, handles = _submit(RequestType.ALLTOALL, "alltoall", name, [tensor], False, process_set, queue)
+        result, received = bridge.wait_all(handles)[0]
         return [bridge.wrap(result, result.shape, tensor.dtype), tf.constant(np.asarray(received, dtype=np.int32))]
 
     return kernel
@@ -108,14 +137,13 @@ def reducescatter(
     """Kernel: reduces each input over the set; each rank keeps its rows of dimension 0."""
 
     def kernel(*tensors: Any) -> list[Any]:
-        runtime = current()
-        wires = [bridge.view(t) for t in tensors]
-        names, base = _names("reducescatter", name, len(tensors), grouped, process_set)
-        group = (base, len(tensors)) if grouped else ("", 0)
-        handles: list[Handle] = [
-            ops.reducescatter(runtime, w, full, op, prescale, postscale, process_set, group)
-            for w, full in zip(wires, names)
-        ]
+        def queue(wires: list[ops.Tensor], names: list[str], group: tuple[str, int]) -> list[Handle]:
+            return [
+                ops.reducescatter(current(), w, full, op, prescale, postscale, process_set, group)
+                for w, full in zip(wires, names)
+            ]
+
+        _, handles = _submit(RequestType.REDUCESCATTER, "reducescatter", name, tensors, grouped, process_set, queue)
         results = bridge.wait_all(handles)
         return [bridge.wrap(r, r.shape, t.dtype) for r, t in zip(results, tensors)]
 

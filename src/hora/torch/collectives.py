@@ -44,7 +44,7 @@ class TorchAdapter:
     def wrap(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return tt.to_device(tt.from_numpy(array, like.dtype), like)
 
-    def splits(self, splits: Splits) -> list[int] | None:
+    def splits(self, splits: Splits) -> Sequence[int] | None:
         if splits is None:
             return None
         if isinstance(splits, torch.Tensor):
@@ -53,7 +53,7 @@ class TorchAdapter:
                     f"alltoall: splits must be an int32 tensor or a list of ints; got a {splits.dtype} tensor"
                 )
             return [int(s) for s in splits.reshape(-1).tolist()]
-        return [int(s) for s in splits]
+        return list(splits)  # ops checks they are integers
 
     def alltoall_result(self, output: torch.Tensor, received: np.ndarray, splits_given: bool) -> Any:
         return output, torch.from_numpy(received)  # Horovod's alltoall_async always gives both
