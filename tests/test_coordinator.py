@@ -332,3 +332,18 @@ def test_a_stuck_report_that_missed_a_response_is_ignored():
     clock.now += 10
     c.find_mismatches()
     assert sorted(names[0] for _, names, _ in take(c)) == ["allreduce.x", "barrier"]
+
+
+def test_a_rank_flooding_the_coordinator_with_names_is_refused(monkeypatch):
+    from hora.engine import coordinator
+    from hora.errors import ProtocolError
+
+    monkeypatch.setattr(coordinator, "MAX_PENDING_PER_RANK", 10)
+    c = Coordinator(2, fusion_threshold=0)
+    c.submit_many([req(1, f"x{i}") for i in range(10)])
+    with pytest.raises(ProtocolError, match="more than 10 of its collectives wait"):
+        c.submit(req(1, "one too many"))
+    for i in range(10):  # answered tensors no longer count
+        c.submit(req(0, f"x{i}"))
+    assert len(c.take()) == 10
+    c.submit_many([req(1, f"y{i}") for i in range(10)])

@@ -352,7 +352,8 @@ def test_a_rank_that_shuts_down_leaves_and_the_others_go_on(leaver):
             assert out["left"]
             continue
         for key in ("pending", "later"):
-            assert f"rank {leaver} of its process set has shut down" in out[key], out[key]
+            assert f"in its process set, rank {leaver} on host" in out[key], out[key]
+            assert "has shut down (it called shutdown())" in out[key], out[key]
         assert out["others"] == [[3.0]] * 3
 
 

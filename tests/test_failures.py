@@ -193,6 +193,20 @@ def test_horarun_names_the_killed_rank_first():
         ), proc.stdout
 
 
+@pytest.mark.timeout(90)
+def test_horarun_names_the_rank_that_sent_a_malformed_frame_first():
+    script = TESTS / "scripts" / "malformed_frame.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hora.runner", "-np", "3", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("horarun:")]
+    assert summary and "rank 1 failed first" in summary[0], proc.stderr
+
+
 def stall_job(cached: bool) -> str:
     import time
 
@@ -225,3 +239,54 @@ def test_stall_inspector_warns_then_shuts_down(cached):
     assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
     for result in results:
         assert "stalled for longer than 3 s" in result.value, result.value
+
+
+def crashing_rank_job(tmp: str) -> None:
+    """Rank 1 dies of an uncaught exception (its program crashes); rank 0 waits for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, hora.numpy as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(np.ones(2), name='warm-up')\n"
+        "if hvd.rank() == 1:\n"
+        "    raise ValueError('boom')\n"
+        "try:\n"
+        "    hvd.allreduce(np.ones(2), name='needs-1')\n"
+        "except hvd.HoraInternalError as exc:\n"
+        f"    open({tmp!r} + '/rank0.txt', 'w').write(str(exc))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_crashes_is_reported_lost_not_shut_down(tmp_path):
+    run_ranks(2, crashing_rank_job, str(tmp_path), timeout=80)
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "rank 1 on host" in message and "was lost: it exited after an uncaught ValueError: boom" in message, message
+    assert "shut down" not in message
+
+
+def malformed_frame_job() -> str:
+    import struct
+
+    import hora.numpy as hvd
+    from hora.api import current
+
+    hvd.init()
+    try:  # the others may still be in the warm-up when rank 1 breaks the job
+        hvd.allreduce(np.ones(2), name="warm-up")
+        if hvd.rank() == 1:  # a broken peer: a control frame of a kind that does not exist
+            current().engine._links[0].sock.send(struct.pack("<IB", 3, 99) + b"bad")
+        hvd.allreduce(np.ones(2), name="after")
+        return "no error"
+    except hvd.HoraInternalError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_frame_fails_the_job_naming_the_rank_that_sent_it():
+    for value in run_ranks(3, malformed_frame_job):
+        assert "rank 1 on host" in value and "sent a malformed control message" in value, value
+        assert "an unexpected control frame (kind 99)" in value, value

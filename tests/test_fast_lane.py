@@ -400,4 +400,5 @@ def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how)
         assert "was lost" in results[0].value
     else:
         assert results[1].value == "left"
-        assert "allreduce 'step' cannot run: rank 1 of its process set has shut down" in results[0].value
+        assert "allreduce 'step' cannot run: in its process set, rank 1 on host" in results[0].value
+        assert "has shut down (it called shutdown())" in results[0].value

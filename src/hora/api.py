@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 from hora import ops
 from hora.collectives.reduce import DataType
 from hora.config import Config
+from hora.engine.engine import CALLED_SHUTDOWN
 from hora.engine.messages import RequestType
 from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
@@ -109,7 +111,7 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
         if not _context.atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _context.atexit_registered = True
         try:
             adding = [(ps, _submit_set(runtime, ps)) for ps in sets if ps is not global_process_set]
@@ -141,12 +143,29 @@ def shutdown() -> None:
     whole job down). On rank 0, which coordinates the job, this returns once every
     other rank has shut down too.
     """
+    _shutdown(CALLED_SHUTDOWN)
+
+
+def _shutdown(how: str) -> None:
     with _context.lock:
         runtime = _context.runtime
         if runtime is None:
             return
         _forget_runtime()
-    runtime.shutdown()
+    runtime.shutdown(how)
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown()`` as the interpreter exits, telling the others why this rank left: an
+    uncaught exception (the interpreter keeps it in ``sys.last_value`` before running
+    exit handlers) makes it a lost rank, not one that shut down."""
+    error = getattr(sys, "last_value", None)
+    if isinstance(error, BaseException) and not isinstance(error, SystemExit):
+        detail = f"{type(error).__name__}: {error}"
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        _shutdown(f"was lost: it exited after an uncaught {detail}")
+    else:
+        _shutdown("has shut down (its program ended)")
 
 
 def is_initialized() -> bool:

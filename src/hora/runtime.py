@@ -21,7 +21,7 @@ import numpy as np
 from hora.bootstrap import advertise, open_rendezvous, topology_from_hosts
 from hora.collectives.reduce import DataType
 from hora.config import Config
-from hora.engine.engine import Engine
+from hora.engine.engine import CALLED_SHUTDOWN, Engine
 from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
 from hora.engine.queue import Entry
@@ -232,13 +232,16 @@ class Runtime:
                 "(or fork before hvd.init())."
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, how: str = CALLED_SHUTDOWN) -> None:
         """Leaves the job: this rank's unfinished collectives fail, the others go on.
 
         On rank 0 this returns once every rank has left (rank 0 coordinates them).
+
+        Args:
+            how: what the others are told of this rank (see ``Engine.stop``).
         """
         if os.getpid() == self.pid:
-            self.engine.stop()
+            self.engine.stop(how)
 
     @property
     def failure(self) -> str | None:

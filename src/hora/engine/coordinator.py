@@ -42,6 +42,10 @@ GLOBAL = 0
 # Seconds a set of stuck ranks must stay stuck before their collectives fail as
 # mismatched: a thread that never submitted before may still be about to.
 MISMATCH_GRACE = 1.0
+# The most tensors one rank may have waiting here for the others: hora's own ranks never
+# come near it (TensorQueue.MAX_IN_FLIGHT refuses more locally); a peer that sends more is
+# broken, and the job fails naming it rather than rank 0 running out of memory.
+MAX_PENDING_PER_RANK = 1 << 16
 
 
 @dataclasses.dataclass
@@ -87,10 +91,11 @@ class Coordinator:
         self._groups: dict[tuple[int, str], list[Response]] = {}
         self._ready: list[tuple[Response, tuple[int, ...]]] = []
         self._joined: set[int] = set()
-        self._departed: set[int] = set()  # ranks that shut down; collectives needing them fail
+        self._departed: dict[int, str] = {}  # ranks that left, and how; collectives needing them fail
         self._last_joined = -1
         self._next_set_id = 1
         self._sent = [0] * size  # responses handed out for each rank (see take)
+        self._waiting_of = [0] * size  # pending tensors each rank submitted (bounded)
         self._stuck: dict[int, float] = {}  # rank -> when it reported itself stuck (see note_stuck)
         self._examine_at: float | None = None  # when find_mismatches next has something to look at
         self.timeline: Timeline | None = None  # set while rank 0 records one
@@ -116,7 +121,7 @@ class Coordinator:
             try:
                 request = self.cache.request(rank, cache_id)
             except (IndexError, KeyError):
-                raise ProtocolError(f"rank {rank} sent unknown cache id {cache_id}") from None
+                raise ProtocolError(f"unknown cache id {cache_id} from rank {rank}") from None
             recorded.append(self._record(request, cache_id))
         for found in recorded:
             # A tensor that an earlier one's failure took away (its group) is gone.
@@ -142,9 +147,9 @@ class Coordinator:
             error += "" if members is None else f" or does not include rank {request.rank}"
             self._emit(Response(ResponseType.ERROR, [request.name], request.process_set_id, error=error), (request.rank,))
             return None
-        gone = self._departed.intersection(members)
+        gone = self._departed.keys() & set(members)
         if gone:
-            self._emit(_aborted(request.label, request.name, request.process_set_id, gone), (request.rank,))
+            self._emit(self._aborted(request.label, request.name, request.process_set_id, gone), (request.rank,))
             return None
         key = (request.process_set_id, request.name)
         pending = self._pending.get(key)
@@ -154,24 +159,33 @@ class Coordinator:
                 self.timeline.begin(request.name, f"NEGOTIATE_{request.type.name}")
         if self.timeline is not None:
             self.timeline.tick(request.name, str(request.rank))
+        if request.rank not in pending.requests:
+            if self._waiting_of[request.rank] >= MAX_PENDING_PER_RANK:
+                raise ProtocolError(
+                    f"more than {MAX_PENDING_PER_RANK} of its collectives wait for other ranks at the coordinator"
+                )
+            self._waiting_of[request.rank] += 1
         pending.requests[request.rank] = request
         if cache_id >= 0:
             pending.cached[request.rank] = cache_id
         return key, pending, members
 
-    def depart(self, rank: int) -> None:
-        """Records that ``rank`` shut down: collectives that need it fail, others go on."""
-        self._departed.add(rank)
+    def depart(self, rank: int, how: str = "has shut down") -> None:
+        """Records that ``rank`` left: collectives that need it fail, others go on.
+
+        Args:
+            how: what became of it, for messages: ``"on host h has shut down (it
+                called shutdown())"``, ``"on host h was lost: it exited after ..."``.
+        """
+        self._departed[rank] = how
         self._joined.discard(rank)
         for key, pending in list(self._pending.items()):
             members = self.sets.get(key[0]) or ()
             if rank in members:
-                del self._pending[key]
-                if self.timeline is not None:
-                    self.timeline.end(key[1])
+                self._drop(key)
                 request = next(iter(pending.requests.values()))
                 waiting = tuple(r for r in sorted(pending.requests) if r == rank or r not in self._departed)
-                self._emit(_aborted(request.label, key[1], key[0], {rank}), waiting)
+                self._emit(self._aborted(request.label, key[1], key[0], {rank}), waiting)
 
     def take(self) -> list[tuple[Response, tuple[int, ...]]]:
         """Returns the responses ready now, fused, each with the global ranks to send it to."""
@@ -239,9 +253,7 @@ class Coordinator:
             return
         error = _mismatch_message({rank: waits[rank] for rank in sorted(doomed)}, self._pending)
         for key in {key for rank in doomed for key, _ in waits[rank]}:
-            pending = self._pending.pop(key)
-            if self.timeline is not None:
-                self.timeline.end(key[1])
+            pending = self._drop(key)
             members = self.sets.get(key[0]) or tuple(sorted(pending.requests))
             self._emit(Response(ResponseType.ERROR, [key[1]], key[0], error=error), members)
         for rank in doomed:
@@ -280,9 +292,7 @@ class Coordinator:
     def _check_ready(self, key: tuple[int, str], pending: _Pending, members: tuple[int, ...]) -> None:
         if any(rank not in pending.requests and rank not in self._joined for rank in members):
             return
-        del self._pending[key]
-        if self.timeline is not None:
-            self.timeline.end(key[1])
+        self._drop(key)
         requests = [pending.requests[rank] for rank in sorted(pending.requests)]
         if requests[0].group and len({r.group_size for r in requests}) > 1:
             self._fail_group(key, requests, members)
@@ -320,13 +330,25 @@ class Coordinator:
         set_id, group = key[0], requests[0].group
         names = [key[1], *(name for response in self._groups.pop((set_id, group), []) for name in response.names)]
         for other in [k for k, p in self._pending.items() if k[0] == set_id and any(r.group == group for r in p.requests.values())]:
-            del self._pending[other]
-            if self.timeline is not None:
-                self.timeline.end(other[1])
+            self._drop(other)
             names.append(other[1])
         sizes = validate.describe({r.rank: str(r.group_size) for r in requests})
         error = f"{tensor_label(requests[0].type.label, group)}: numbers of tensors in the grouped call differ across ranks: {sizes}"
         self._emit(Response(ResponseType.ERROR, names, set_id, error=error), members)
+
+    def _aborted(self, label: str, name: str, set_id: int, gone: set[int]) -> Response:
+        """The answer for a collective that needs ranks that left the job."""
+        who = "; ".join(f"rank {rank} {self._departed[rank]}" for rank in sorted(gone))
+        return Response(ResponseType.ABORTED, [name], set_id, error=f"{label} cannot run: in its process set, {who}")
+
+    def _drop(self, key: tuple[int, str]) -> _Pending:
+        """Takes a tensor out of the pending table (it is answered: ready, failed, aborted)."""
+        pending = self._pending.pop(key)
+        for rank in pending.requests:
+            self._waiting_of[rank] -= 1
+        if self.timeline is not None:
+            self.timeline.end(key[1])
+        return pending
 
     def _emit(self, response: Response, members: tuple[int, ...]) -> None:
         self._ready.append((response, members))
@@ -353,24 +375,12 @@ class Coordinator:
             return Response(ResponseType.ERROR, response.names, GLOBAL, error=f"remove_process_set: {what}")
         members = self.sets.ranks(set_id)
         for key in [key for key in self._pending if key[0] == set_id]:
-            pending = self._pending.pop(key)
-            if self.timeline is not None:
-                self.timeline.end(key[1])
+            pending = self._drop(key)
             request = next(iter(pending.requests.values()))
             error = f"{request.label}: process set {set_id} was removed before every rank submitted it"
             self._emit(Response(ResponseType.ERROR, [key[1]], set_id, error=error), members)
         self.sets.remove(set_id)
         return response
-
-
-def _aborted(label: str, name: str, set_id: int, gone: set[int]) -> Response:
-    ranks = ", ".join(map(str, sorted(gone)))
-    return Response(
-        ResponseType.ABORTED,
-        [name],
-        set_id,
-        error=f"{label} cannot run: rank {ranks} of its process set has shut down",
-    )
 
 
 def _mismatch_message(waits: dict[int, list[tuple[tuple[int, str], set[int]]]], pending: dict[tuple[int, str], _Pending]) -> str:

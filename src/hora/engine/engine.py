@@ -71,10 +71,11 @@ from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
-from hora.transport.tcp import Link, LinkClosed, Watch, encode_frame
+from hora.transport.tcp import Link, LinkClosed, PeerProtocolError, Watch, encode_frame
 
 log = logging.getLogger("hora")
 
+CALLED_SHUTDOWN = "has shut down (it called shutdown())"
 ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of the failure
 # After doing work the engine polls without blocking for this long before it sleeps: the
 # next request or response usually follows within microseconds, and a kernel wake-up of a
@@ -205,6 +206,8 @@ class Engine:
         self._park_poller.register(self._wake_r.fileno(), select.POLLIN)
         self._last_work = 0.0  # perf_counter time the engine thread's loop last did something
         self._leaving_since: float | None = None  # set once this rank began to leave
+        self._leaving_how = CALLED_SHUTDOWN  # what others are told of it (see stop)
+        self._hostname = config.topology.hostname
         self._lingering_noted = False
         self._farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
         # Mismatch detection (_report_stuck): threads that submitted collectives here, by
@@ -410,12 +413,17 @@ class Engine:
             self._caller_error is not None or self._stop_requested or self._busy() or self.queue.has_new() or lane_waits
         )
 
-    def stop(self) -> None:
+    def stop(self, how: str = CALLED_SHUTDOWN) -> None:
         """Makes this rank leave the job and waits until its engine has finished.
 
         On rank 0 this returns once every other rank has left too, since they need
         rank 0 to coordinate their remaining collectives.
+
+        Args:
+            how: what the others are told of this rank when a collective needs it
+                (``Coordinator.depart``).
         """
+        self._leaving_how = how
         self._stop_requested = True
         self._wake()
         if threading.current_thread() is not self._thread:
@@ -489,6 +497,12 @@ class Engine:
             return str(exc)
         if isinstance(exc, LinkClosed):
             return self._lost(exc.link, exc.detail)
+        if isinstance(exc, PeerProtocolError):
+            link = exc.link
+            return (
+                f"rank {link.peer} on host {link.peer_host} sent a malformed control message ({exc.detail}); "
+                "the job cannot go on with it"
+            )
         log.error("hora: the engine on rank %d failed", self.rank, exc_info=exc)
         return f"hora's engine on rank {self.rank} failed: {exc!r}"
 
@@ -770,7 +784,10 @@ class Engine:
         for peer, link in list(self._links.items()):
             while link.frames and peer in self._links:
                 kind, payload = link.frames.popleft()
-                self._on_frame(link, kind, payload)
+                try:
+                    self._on_frame(link, kind, payload)
+                except ProtocolError as exc:
+                    raise PeerProtocolError(link, str(exc)) from None
             if link.closed_by_peer and peer in self._links:
                 if peer not in self._farewells:
                     raise _JobFailed(self._lost(link, link.close_detail))
@@ -783,13 +800,13 @@ class Engine:
             self._farewells.add(link.peer)
             # Responses already decided still reach the leaving rank, which runs them.
             self._distribute(self._coordinator.take())
-            self._coordinator.depart(link.peer)
+            self._coordinator.depart(link.peer, f"on host {link.peer_host} {messages.decode_reason(payload)}")
             self._drop(link)  # closing our end tells the worker it may go
         elif self._coordinator is not None and kind == messages.REQUESTS:
             requests, cached = messages.decode_requests(payload)
             for request in requests:
                 if request.rank != link.peer:
-                    raise ProtocolError(f"rank {link.peer} sent a request in the name of rank {request.rank}")
+                    raise ProtocolError(f"a request in the name of rank {request.rank}")
             self._coordinator.submit_many(requests, cached, link.peer)
         elif self._coordinator is not None and kind == messages.STUCK:
             self._coordinator.note_stuck(link.peer, messages.decode_count(payload))
@@ -798,7 +815,7 @@ class Engine:
             self._received += len(responses)
             self._responses.extend(responses)
         else:
-            raise ProtocolError(f"rank {link.peer} sent an unexpected control frame (kind {kind})")
+            raise ProtocolError(f"an unexpected control frame (kind {kind})")
 
     def _check_urgent(self, link: Link) -> None:
         """Runs while a collective waits: an abort or an unexpected hang-up ends it."""
@@ -940,7 +957,7 @@ class Engine:
         self.queue.seal(internal_error(f"hora has shut down on rank {self.rank}"))
         if self._coordinator is not None:
             self._announce(self.queue.drain())
-            self._coordinator.depart(self.rank)
+            self._coordinator.depart(self.rank, f"on host {self._hostname} {self._leaving_how}")
 
     def _leave(self) -> None:
         """A worker's goodbye: tell rank 0, run what it already decided, wait for its close."""
@@ -948,9 +965,7 @@ class Engine:
         if control is None:
             return
         self._farewells.add(0)  # rank 0 closes its end once it has read our goodbye
-        control.send_frame(
-            messages.SHUTDOWN, messages.encode_reason(f"rank {self.rank} called shutdown()"), self._watch
-        )
+        control.send_frame(messages.SHUTDOWN, messages.encode_reason(self._leaving_how), self._watch)
         try:
             control.sock.shutdown(socket.SHUT_WR)
         except OSError:

@@ -51,6 +51,8 @@ class Entry:
         return self.request.shape
 
 
+MAX_IN_FLIGHT = 1 << 16  # collectives one rank may have in flight (the coordinator's bound)
+
 DUPLICATE_NAME = (
     "{label}: another tensor of that name is still in flight in process set {set_id}. Names must be "
     "unique among unfinished collectives: wait for the first (synchronize) or use a different name."
@@ -77,6 +79,11 @@ class TensorQueue:
         with self._lock:
             if self._closed is not None:
                 raise self._closed(entries[0])
+            if len(self._entries) + len(entries) > MAX_IN_FLIGHT:
+                raise ValueError(
+                    f"{entries[0].request.label}: more than {MAX_IN_FLIGHT} collectives would be in flight on this "
+                    "rank; wait for some (synchronize) before submitting more"
+                )
             keys = set()
             for entry in entries:
                 if entry.key in self._entries or entry.key in keys:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -408,7 +409,9 @@ class Job:
         # A rank whose last words are hora's HoraInternalError failed because another rank
         # did (a peer left or died); the rank that failed for its own reason is the cause,
         # even when it exits later (a rank leaving after sys.exit(3) says goodbye first).
-        causes = [rank for rank in failed if not _is_consequence(rank)] or failed
+        causes = [rank for rank in failed if not _is_consequence(rank)]
+        if not causes:  # every rank failed for another's reason: the one their messages name
+            causes = [rank for rank in failed if rank.slot.rank == _named_culprit(failed)] or failed
         first = min(causes, key=lambda rank: rank.exit_after or 0.0) if causes else None
         return JobResult(
             ranks=ranks,
@@ -422,6 +425,22 @@ class Job:
 
 
 _CONSEQUENCES = ("HoraInternalError", "HorovodInternalError")
+
+
+# How hora's HoraInternalError names the rank at the root of a failure.
+_CULPRIT = re.compile(r"rank (\d+) (?:\(the coordinator\) )?(?:on host \S+ (?:sent|was lost)|was interrupted)")
+
+
+def _named_culprit(ranks: list[RankOutcome]) -> int | None:
+    """The rank most of these ranks' last hora errors name as the cause, if any."""
+    votes: dict[int, int] = {}
+    for rank in ranks:
+        for line in rank.stderr_tail[-3:]:
+            found = _CULPRIT.search(line) if any(name in line for name in _CONSEQUENCES) else None
+            if found:
+                votes[int(found.group(1))] = votes.get(int(found.group(1)), 0) + 1
+                break
+    return max(votes, key=lambda culprit: votes[culprit]) if votes else None
 
 
 def _is_consequence(rank: RankOutcome) -> bool:

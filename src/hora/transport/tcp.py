@@ -25,7 +25,9 @@ from typing import Protocol
 from hora.errors import ProtocolError
 
 FRAME_HEADER = struct.Struct("<IB")  # payload length, kind
-MAX_FRAME = 256 * 1024 * 1024
+# The largest control frame: a request or response list of some 500,000 tensors. A
+# reader holds only the bytes that arrived, never the size a header announces.
+MAX_FRAME = 64 * 1024 * 1024
 _RECV_CHUNK = 1 << 16
 CLOSED = "its connection closed (the process exited, was killed, or shut down)"
 
@@ -39,6 +41,19 @@ class LinkClosed(ConnectionError):
 
     def __init__(self, link: Link, detail: str) -> None:
         super().__init__(f"lost the connection to rank {link.peer} ({link.peer_host}): {detail}")
+        self.link = link
+        self.detail = detail
+
+
+class PeerProtocolError(ProtocolError):
+    """A peer sent bytes on a link that are not a well-formed frame.
+
+    Attributes:
+        link: the link they came from (names the peer).
+    """
+
+    def __init__(self, link: Link, detail: str) -> None:
+        super().__init__(f"rank {link.peer} ({link.peer_host}) sent a malformed frame: {detail}")
         self.link = link
         self.detail = detail
 
@@ -120,14 +135,14 @@ def recv_frame_blocking(sock: socket.socket, max_size: int = MAX_FRAME) -> tuple
 
 
 def _recv_exact_blocking(sock: socket.socket, count: int) -> bytes:
-    data = bytearray(count)
-    view = memoryview(data)
-    got = 0
-    while got < count:
-        n = sock.recv_into(view[got:])
-        if n == 0:
+    """Receives exactly ``count`` bytes, holding only what has arrived (a peer that
+    announces a large frame and goes quiet costs nothing)."""
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(min(count - len(data), _RECV_CHUNK))
+        if not chunk:
             raise ConnectionError("the peer closed the connection")
-        got += n
+        data += chunk
     return bytes(data)
 
 
@@ -202,7 +217,7 @@ class Link:
             True if at least one new frame arrived or the peer closed.
 
         Raises:
-            ProtocolError: the peer sent a malformed frame header.
+            PeerProtocolError: the peer sent a malformed frame header.
         """
         changed = False
         while not self.closed_by_peer:
@@ -216,7 +231,10 @@ class Link:
             if not data:
                 self.closed_by_peer = True
                 return True
-            new = self._reader.feed(data)
+            try:
+                new = self._reader.feed(data)
+            except ProtocolError as exc:
+                raise PeerProtocolError(self, str(exc)) from None
             if new:
                 self.frames.extend(new)
                 changed = True
