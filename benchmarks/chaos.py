@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -94,6 +95,12 @@ def worker(operation: str, nbytes: int) -> int:
     except Exception as exc:  # noqa: BLE001 - reported as a wrong kind of error
         print("FAILED " + json.dumps({"time": time.monotonic(), "error": repr(exc), "kind": type(exc).__name__}), flush=True)
         return 4
+
+
+def names(error: str, rank: int) -> bool:
+    """True when a hora error names ``rank``: ``rank 2 on host ...`` (lost), ``for rank(s) 2``
+    (a data-phase stall) or ``Missing ranks:`` followed by ``2: [...]`` (a negotiation stall)."""
+    return re.search(rf"\brank(?:\(s\))? {rank}\b|^{rank}: \[", error, re.MULTILINE) is not None
 
 
 def _free_port() -> int:
@@ -228,7 +235,7 @@ def main() -> int:
         hung = [r for r, o in outcomes.items() if o["hung"]]
         times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
         kinds = sorted({str(o.get("kind")) for o in outcomes.values() if not o["hung"]})
-        unnamed = [r for r, o in outcomes.items() if not o["hung"] and f"rank {record['victim']}" not in str(o.get("error"))]
+        unnamed = [r for r, o in outcomes.items() if not o["hung"] and not names(str(o.get("error")), int(record["victim"]))]
         last = f"{max(times) * 1e3:7.1f} ms" if times and not hung else "      -   "
         print(
             f"{number + 1:3d} np={np_} {record['workload']:18s} {record['transport']:3s} victim={record['victim']} "
@@ -250,8 +257,8 @@ def main() -> int:
         if any(o["hung"] for o in outcomes.values()):
             hangs += 1
             continue
-        victim = f"rank {record['victim']}"
-        if any(o.get("kind") != "HoraInternalError" or victim not in str(o.get("error")) for o in outcomes.values()):
+        victim = int(record["victim"])
+        if any(o.get("kind") != "HoraInternalError" or not names(str(o.get("error")), victim) for o in outcomes.values()):
             wrong += 1
         times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
         if times:

@@ -57,7 +57,7 @@ def freeze(seconds: float) -> None:
 
 
 def _point(name: str) -> tuple[Any, str, str]:
-    from hora.engine.engine import Engine
+    from hora.engine.control import ControlPlane
     from hora.engine.fast_lane import FastLane
     from hora.transport import shm, tcp
 
@@ -66,7 +66,7 @@ def _point(name: str) -> tuple[Any, str, str]:
         "tcp exchange": (tcp, "exchange", "before"),
         "ring send": (tcp.RingLinks, "send", "before"),
         "lane proposal": (FastLane, "propose", "after"),
-        "announce": (Engine, "_announce", "after"),
+        "announce": (ControlPlane, "announce", "after"),
     }[name]
 
 

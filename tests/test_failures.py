@@ -278,7 +278,7 @@ def malformed_frame_job() -> str:
     try:  # the others may still be in the warm-up when rank 1 breaks the job
         hvd.allreduce(np.ones(2), name="warm-up")
         if hvd.rank() == 1:  # a broken peer: a control frame of a kind that does not exist
-            current().engine._links[0].sock.send(struct.pack("<IB", 3, 99) + b"bad")
+            current().engine.control.links[0].sock.send(struct.pack("<IB", 3, 99) + b"bad")
         hvd.allreduce(np.ones(2), name="after")
         return "no error"
     except hvd.HoraInternalError as exc:

@@ -187,7 +187,7 @@ def lane_results_job(rounds: int) -> list:
         time.sleep(0.02)  # quiet moments: every rank is idle when the next step starts
     from hora.api import current
 
-    lane = current().engine._lane
+    lane = current().engine.control.lane
     hvd.shutdown()
     return [out, None if lane is None else lane.succeeded]
 

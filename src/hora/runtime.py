@@ -21,7 +21,7 @@ import numpy as np
 from hora.bootstrap import advertise, open_rendezvous, topology_from_hosts
 from hora.collectives.reduce import DataType
 from hora.config import Config
-from hora.engine.engine import CALLED_SHUTDOWN, Engine
+from hora.engine.engine import CALLED_SHUTDOWN, Engine, check_interpreter
 from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
 from hora.engine.queue import Entry
@@ -45,9 +45,11 @@ class Runtime:
 
     Raises:
         HoraInternalError: the other ranks could not be reached; names them.
+        RuntimeError: a free-threaded interpreter with the GIL off (see ``check_interpreter``).
     """
 
     def __init__(self, config: Config, generation: int) -> None:
+        check_interpreter()
         self.config = config
         self.topology = config.topology
         self.pid = os.getpid()

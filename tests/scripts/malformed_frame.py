@@ -10,5 +10,5 @@ from hora.api import current
 hvd.init()
 hvd.allreduce(np.ones(2), name="warm-up")
 if hvd.rank() == 1:
-    current().engine._links[0].sock.send(struct.pack("<IB", 3, 99) + b"bad")
+    current().engine.control.links[0].sock.send(struct.pack("<IB", 3, 99) + b"bad")
 hvd.allreduce(np.ones(2), name="after")  # raises HoraInternalError on every rank

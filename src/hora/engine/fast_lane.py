@@ -67,8 +67,8 @@ _RECHECK_MIN_MS = 2.0
 _RECHECK_MAX_MS = 1000.0
 
 
-class _Proposal:
-    """This rank's entry that awaits the others'."""
+class Proposal:
+    """This rank's entry that awaits the others' (its fields never change once made)."""
 
     __slots__ = ("cache_id", "entry", "nbytes", "seq", "since")
 
@@ -101,7 +101,7 @@ class FastLane:
         self._peer_headers = [[headers[rank][slot] for rank in self._peers] for slot in (0, 1)]
         self._data = [[lanes[rank][1][slot][1] for rank in domain.ranks] for slot in (0, 1)]
         self._reducers: dict[tuple[int, DataType], Reducer] = {}
-        self.pending: _Proposal | None = None
+        self.pending: Proposal | None = None
         self.succeeded = 0  # proposals that succeeded (for tests and diagnostics)
         self._left = False
         self._recheck_ms = _RECHECK_MIN_MS
@@ -150,7 +150,7 @@ class FastLane:
         header[_VERDICT] = cache_id
         header[_NBYTES] = nbytes
         self._publish(header, seq)
-        self.pending = _Proposal(seq, entry, cache_id, nbytes)
+        self.pending = Proposal(seq, entry, cache_id, nbytes)
         self._recheck_ms = _RECHECK_MIN_MS
         self._next_recheck = time.perf_counter() + _RECHECK_MIN_MS / 1000.0
         self._wake_busy()  # each refuses, unless it finds itself idle by then (see serve)
@@ -188,9 +188,16 @@ class FastLane:
 
     def settled(self) -> bool:
         """True when the pending proposal's outcome is known (cheap: read while spinning)."""
-        return self.pending is not None and self._outcome(self.pending) is not None
+        pending = self.pending
+        return pending is not None and self._outcome(pending) is not None
 
-    def _outcome(self, proposal: _Proposal) -> bool | None:
+    def settled_for(self, proposal: Proposal) -> bool:
+        """True when ``proposal``'s outcome is known. Reads only shared memory and the
+        proposal (fixed once made), so a thread without the engine's lock may call it,
+        with a proposal published to it (``ControlPlane.published``)."""
+        return self._outcome(proposal) is not None
+
+    def _outcome(self, proposal: Proposal) -> bool | None:
         """Success, failure, or None while some rank has not answered (and has not left)."""
         seq = proposal.seq
         waiting = False
@@ -243,7 +250,7 @@ class FastLane:
         self.succeeded += 1
         return entry, True
 
-    def _recheck(self, proposal: _Proposal) -> None:
+    def _recheck(self, proposal: Proposal) -> None:
         """Now and then while waiting: wakes busy ranks again, and reports a stall."""
         now = time.perf_counter()
         if now < self._next_recheck:

@@ -1,0 +1,418 @@
+"""What an engine pass owns: the control links, the responses to run, and one pass.
+
+A *pass* reads control frames, settles this rank's fast-lane proposal, announces new
+tensors, hands out ready responses (rank 0), executes this rank's responses in the
+agreed order, and reports stalls and a stuck rank. Passes run on whichever thread holds
+the engine's lock (``Engine._drive``): the engine thread, or a user thread that submits
+or waits. Everything here belongs to that thread.
+
+Who may touch what:
+
+=====================================  ==================================================
+field                                  owner
+=====================================  ==================================================
+``links``, ``by_fd``, ``responses``,   the thread holding the drive lock (in a pass, or in
+``received``, ``farewells``,           the data-plane waits a pass runs, which read the
+``coordinator``, ``executor``,         links through ``watch``)
+``lane`` (its ``pending``),
+``timeline``, ``stuck_reported``,
+``poller`` registrations
+``submitters``                         written by submitting threads (one key each), read
+                                       whole (``tuple(d.items())``) under the lock
+``waiting``                            added/removed by waiting threads, read under the lock
+``published``                          written under the lock (one attribute store), read
+                                       by the engine thread while it sleeps without it
+``timeline_request``                   written by a user thread, taken under the lock
+=====================================  ==================================================
+
+Everything a sleeper needs comes from ``plan()`` (under the lock) or ``published`` (the
+plan of the last pass): ``hora.engine.waiting`` never walks the tables above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from hora.config import Config
+from hora.engine import messages
+from hora.engine.coordinator import Coordinator
+from hora.engine.executor import Executor
+from hora.engine.fast_lane import FastLane, Proposal
+from hora.engine.handles import Handle
+from hora.engine.messages import Response
+from hora.engine.queue import Entry, TensorQueue
+from hora.engine.stall import StallInspector
+from hora.engine.timeline import Timeline
+from hora.errors import ProtocolError
+from hora.transport.tcp import Link, PeerProtocolError, Watch
+
+LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
+
+
+class JobFailed(Exception):
+    """Ends the engine loop; the message is the reason every pending op fails with.
+
+    Args:
+        reason: the message.
+        settled: the reason is rank 0's account (an ABORT or another rank's FAILURE):
+            it names the root cause already.
+    """
+
+    def __init__(self, reason: str, settled: bool = False) -> None:
+        super().__init__(reason)
+        self.settled = settled
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitPlan:
+    """What a thread about to sleep needs to know, computed under the drive lock.
+
+    Attributes:
+        busy: a pass has work without waiting (responses to run, frames read, a closed link).
+        deadline: ``time.monotonic()`` of the next stall or mismatch check or lingering
+            notice (None: none), so the sleeper wakes for it.
+        proposal: this rank's fast-lane proposal awaiting answers (its outcome is read
+            from shared memory, so the sleeper watches for it), or None.
+        peers: the job has other ranks (only then is a reply worth spinning for).
+    """
+
+    busy: bool = False
+    deadline: float | None = None
+    proposal: Proposal | None = None
+    peers: bool = False
+
+
+class ControlPlane:
+    """The state of one rank's engine that passes own, and the pass itself.
+
+    Args:
+        config: the validated configuration.
+        control: the control links by peer rank (rank 0: every worker; a worker: rank 0).
+        queue: the tensor queue.
+        executor: runs responses.
+        lane: the fast lane, when this job may use it.
+        watch_for: builds the data-plane watch from the check this plane runs on frames
+            that arrive while a collective waits.
+        hostname: this rank's host, for messages.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        control: dict[int, Link],
+        queue: TensorQueue,
+        executor: Executor,
+        lane: FastLane | None,
+        watch_for: Callable[[Callable[[Link], None]], Watch],
+        hostname: str,
+    ) -> None:
+        self.rank = config.topology.rank
+        self.size = config.topology.size
+        self._cycle_time_ms = config.cycle_time_ms
+        self.hostname = hostname
+        self.queue = queue
+        self.executor = executor
+        self.lane = lane
+        self.links = dict(control)
+        self.by_fd = {link.fileno(): link for link in self.links.values()}
+        self.watch = watch_for(self.check_urgent)
+        self.coordinator = (
+            Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
+        )
+        self.stall = StallInspector(config) if self.coordinator is not None else None
+        self.responses: deque[Response] = deque()
+        self.farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
+        self.timeline: Timeline | None = None
+        self.timeline_request: tuple[str | None, bool] | None = None
+        self.timeline_applied = threading.Event()
+        self.timeline_error: OSError | None = None
+        if self.coordinator is not None and config.timeline and config.timeline != "DYNAMIC":
+            self.use_timeline(Timeline(config.timeline, config.timeline_mark_cycles))
+        # Mismatch detection (report_stuck): threads that submitted collectives here, by
+        # ident; threads now waiting in Engine.drive; responses received; and the count
+        # last reported stuck (-1: none since this rank last submitted).
+        self.submitters: dict[int, threading.Thread] = {}
+        self.waiting: set[int] = set()
+        self.received = 0
+        self.stuck_reported = -1
+        self.leaving_since: float | None = None  # set once this rank began to leave
+        self.lingering_noted = False
+        self.published = WaitPlan(peers=bool(self.links))
+        self.on_unregister: Callable[[int], None] = lambda fd: None  # the engine's poll set drops fd
+
+    # ----- a pass -----
+
+    def run_pass(self) -> bool:
+        """One pass (the caller holds the drive lock); returns whether it did any work.
+
+        Raises:
+            JobFailed, PeerProtocolError, LinkClosed, StalledError: the job fails.
+        """
+        self.apply_timeline_request()
+        self.read_control()
+        worked = self.settle_lane() is not None
+        new = self.queue.drain()
+        worked = worked or bool(new or self.responses)
+        if new and self._cycle_time_ms > 0:
+            time.sleep(self._cycle_time_ms / 1000.0)  # let more tensors join this batch
+            new += self.queue.drain()
+        if new:
+            self.announce(new)
+        if self.coordinator is not None:
+            self.coordinator.find_mismatches()
+            self.distribute(self.coordinator.take())
+        if self.timeline is not None and (new or self.responses):
+            self.timeline.cycle()
+        while self.responses:
+            self.executor.run(self.responses.popleft())
+        if self.stall is not None and self.coordinator is not None:
+            self.stall.check(self.coordinator)
+        if self.lane is not None:
+            self.lane.serve(self.lane_busy())
+        if self.waiting:
+            self.report_stuck()
+        return worked
+
+    def plan(self, engine_thread: bool) -> WaitPlan:
+        """What a sleeper needs now (under the drive lock); see ``WaitPlan``."""
+        deadline = None
+        if self.stall is not None and self.coordinator is not None:
+            checks = (self.stall.seconds_to_next_check(self.coordinator), self.coordinator.seconds_to_mismatch_check())
+            seconds = min((c for c in checks if c is not None), default=None)
+            deadline = None if seconds is None else time.monotonic() + seconds
+        if engine_thread and self.leaving_since is not None and not self.lingering_noted:
+            notice = self.leaving_since + LINGER_NOTICE
+            deadline = notice if deadline is None else min(deadline, notice)
+        busy = bool(self.responses) or any(link.frames or link.closed_by_peer for link in self.links.values())
+        proposal = self.lane.pending if self.lane is not None else None
+        return WaitPlan(busy=busy, deadline=deadline, proposal=proposal, peers=bool(self.links))
+
+    def publish(self) -> None:
+        """Leaves the engine thread the plan it sleeps by (under the drive lock, before
+        letting go of it)."""
+        self.published = self.plan(engine_thread=True)
+
+    def absorb(self, events: list[tuple[int, int]]) -> None:
+        """Reads the control links a poll found ready (under the drive lock; other
+        descriptors are the sleeper's).
+
+        Another thread may have read them first: reads never block, so a stale event
+        costs a failed read.
+        """
+        for fd, _ in events:
+            link = self.by_fd.get(fd)
+            if link is not None:
+                link.pump()
+                if link.closed_by_peer:
+                    # Its peer hung up: the socket would be ready for ever.
+                    del self.by_fd[fd]
+                    self.on_unregister(fd)
+
+    def read_control(self) -> None:
+        """Handles every control frame read so far, and links whose peer hung up.
+
+        Raises:
+            JobFailed: an abort, or a peer lost without saying goodbye.
+            PeerProtocolError: a peer sent a frame that makes no sense here.
+        """
+        for peer, link in list(self.links.items()):
+            while link.frames and peer in self.links:
+                kind, payload = link.frames.popleft()
+                try:
+                    self._on_frame(link, kind, payload)
+                except ProtocolError as exc:
+                    raise PeerProtocolError(link, str(exc)) from None
+            if link.closed_by_peer and peer in self.links:
+                if peer not in self.farewells:
+                    raise JobFailed(self.lost(link, link.close_detail))
+                self.drop(link)
+
+    def _on_frame(self, link: Link, kind: int, payload: bytes) -> None:
+        if kind in (messages.ABORT, messages.FAILURE):
+            raise JobFailed(messages.decode_reason(payload), settled=True)
+        if self.coordinator is not None and kind == messages.SHUTDOWN:
+            self.farewells.add(link.peer)
+            # Responses already decided still reach the leaving rank, which runs them.
+            self.distribute(self.coordinator.take())
+            self.coordinator.depart(link.peer, f"on host {link.peer_host} {messages.decode_reason(payload)}")
+            self.drop(link)  # closing our end tells the worker it may go
+        elif self.coordinator is not None and kind == messages.REQUESTS:
+            requests, cached = messages.decode_requests(payload)
+            for request in requests:
+                if request.rank != link.peer:
+                    raise ProtocolError(f"a request in the name of rank {request.rank}")
+            self.coordinator.submit_many(requests, cached, link.peer)
+        elif self.coordinator is not None and kind == messages.STUCK:
+            self.coordinator.note_stuck(link.peer, messages.decode_count(payload))
+        elif self.coordinator is None and kind == messages.RESPONSES:
+            responses = messages.decode_responses(payload)
+            self.received += len(responses)
+            self.responses.extend(responses)
+        else:
+            raise ProtocolError(f"an unexpected control frame (kind {kind})")
+
+    def check_urgent(self, link: Link) -> None:
+        """Runs while a collective waits: an abort or an unexpected hang-up ends it.
+
+        Raises:
+            JobFailed: an abort, or the peer lost.
+        """
+        for kind, payload in link.frames:
+            if kind in (messages.ABORT, messages.FAILURE):
+                raise JobFailed(messages.decode_reason(payload), settled=True)
+            if kind == messages.SHUTDOWN:
+                self.farewells.add(link.peer)
+        if link.closed_by_peer and link.peer not in self.farewells:
+            raise JobFailed(self.lost(link, link.close_detail))
+
+    def announce(self, entries: list[Entry], lane: bool = True) -> None:
+        """Tells the coordinator about new tensors: unchanged cached ones by id only.
+
+        A lone cached small allreduce, with nothing else of this rank's in flight, is
+        proposed on the fast lane instead (unless ``lane`` is False: it came back from
+        there), and the coordinator hears of it only if the lane fails it.
+        """
+        fast_lane = self.lane
+        if lane and fast_lane is not None and len(entries) == 1 and fast_lane.carries(entries[0]):
+            cache_id = self.executor.cache.lookup(entries[0].request)
+            if cache_id is not None and not self.lane_busy(announcing=1) and fast_lane.propose(entries[0], cache_id):
+                return
+        requests: list[messages.Request] = []
+        cached: list[int] = []
+        for entry in entries:
+            cache_id = self.executor.cache.lookup(entry.request)
+            if cache_id is None:
+                requests.append(entry.request)
+            else:
+                cached.append(cache_id)
+        if fast_lane is not None and entries:
+            fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
+        self.stuck_reported = -1  # a rank that submits is not stuck
+        if self.coordinator is not None:
+            self.coordinator.submit_many(requests, cached, self.rank)
+        else:
+            payload = messages.encode_requests(requests, cached)
+            self.links[0].send_frame(messages.REQUESTS, payload, self.watch)
+
+    def distribute(self, ready: list[tuple[Response, tuple[int, ...]]]) -> None:
+        """Hands each ready response to its members: this rank's own to ``responses``."""
+        by_rank: dict[int, list[Response]] = {}
+        for response, members in ready:
+            for member in members:
+                if member == self.rank:
+                    self.received += 1
+                    self.responses.append(response)
+                elif member in self.links:
+                    by_rank.setdefault(member, []).append(response)
+        for member, responses in by_rank.items():
+            self.links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self.watch)
+
+    def report_stuck(self) -> None:
+        """Tells the coordinator when every thread that submits collectives here waits for
+        one, with every response sent here executed (``Coordinator.note_stuck``): it
+        fails the collectives of ranks that can never move again. Threads that ended
+        do not count; a wait with a timeout is not a wait here (it never drives)."""
+        received = self.received
+        if received == self.stuck_reported or self.responses:
+            return
+        if self.lane is not None and self.lane.pending is not None:
+            return  # the lane may still answer
+        waiting = self.waiting
+        for ident, thread in tuple(self.submitters.items()):
+            if ident not in waiting and thread.is_alive():
+                return
+        self.stuck_reported = received
+        if self.coordinator is not None:
+            self.coordinator.note_stuck(self.rank, received)
+        elif 0 in self.links:
+            self.links[0].send_frame(messages.STUCK, messages.encode_count(received), self.watch)
+
+    # ----- the fast lane -----
+
+    def settle_lane(self) -> bool | None:
+        """Completes this rank's lane proposal once settled, or sends it the coordinator's way.
+
+        Returns:
+            None while it waits; else whether it succeeded.
+        """
+        lane = self.lane
+        if lane is None or lane.pending is None:
+            return None
+        settled = lane.settle()
+        if settled is None:
+            return None
+        entry, succeeded = settled
+        if not succeeded:
+            self.announce([entry], lane=False)
+            return False
+        if self.queue.pop(entry.request.process_set_id, entry.request.name) is not None:
+            assert entry.output is not None  # invariant: FastLane.carries
+            entry.handle.complete(entry.output.reshape(entry.shape))
+        return True
+
+    def settled_on_lane(self, handle: Handle, interrupted: Callable[[], bool], spin_seconds: float) -> bool:
+        """The lane's short cut for a caller waiting for its own lane proposal: spins (for
+        ``spin_seconds``) on the answers alone and settles it without a full pass. Returns
+        False (the caller runs a pass) when anything else needs a pass (``interrupted()``:
+        a frame, a wake-up, a new tensor) or the spin runs out.
+        """
+        lane = self.lane
+        pending = lane.pending if lane is not None else None
+        if lane is None or pending is None or pending.entry.handle is not handle:
+            return False
+        spin_until = time.perf_counter() + spin_seconds
+        while not lane.settled():
+            if interrupted() or time.perf_counter() >= spin_until:
+                return False
+        if self.settle_lane() is False:
+            self.run_pass()  # it went the coordinator's way: send it on (on rank 0, match it) now
+        return True
+
+    def lane_busy(self, announcing: int = 0) -> bool:
+        """True while this rank has collectives on the coordinator's path, besides the lane's
+        and ``announcing`` entries being announced now (or rank 0 records a timeline, which
+        should show every collective): it then refuses lane proposals, and proposes none."""
+        lane = self.lane
+        on_lane = 1 if lane is not None and lane.pending is not None else 0
+        return len(self.queue) > on_lane + announcing or self.timeline is not None
+
+    # ----- links -----
+
+    def lost(self, link: Link, detail: str) -> str:
+        """The reason every rank fails with when ``link``'s peer was lost."""
+        role = " (the coordinator)" if link.peer == 0 else ""
+        return f"rank {link.peer}{role} on host {link.peer_host} was lost: {detail}"
+
+    def drop(self, link: Link) -> None:
+        """Forgets a control link whose peer has left, and closes it."""
+        self.links.pop(link.peer, None)
+        self.watch.links.pop(link.fileno(), None)
+        if self.by_fd.pop(link.fileno(), None) is not None:
+            self.on_unregister(link.fileno())
+        link.close()
+
+    # ----- the timeline (rank 0) -----
+
+    def use_timeline(self, timeline: Timeline | None) -> None:
+        if self.timeline is not None:
+            self.timeline.close()
+        self.timeline = timeline
+        if self.coordinator is not None:
+            self.coordinator.timeline = timeline
+        self.executor.timeline = timeline
+
+    def apply_timeline_request(self) -> None:
+        request, self.timeline_request = self.timeline_request, None
+        if request is None:
+            return
+        path, mark_cycles = request
+        self.timeline_error = None
+        try:
+            self.use_timeline(None if path is None else Timeline(path, mark_cycles))
+        except OSError as exc:
+            self.timeline_error = exc
+        self.timeline_applied.set()
