@@ -31,11 +31,11 @@ plan of the last pass): ``hora.engine.waiting`` never walks the tables above.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hora.config import Config
 from hora.engine import messages
@@ -67,9 +67,9 @@ class JobFailed(Exception):
         self.settled = settled
 
 
-@dataclasses.dataclass(frozen=True)
-class WaitPlan:
-    """What a thread about to sleep needs to know, computed under the drive lock.
+class WaitPlan(NamedTuple):
+    """What a thread about to sleep needs to know, computed under the drive lock (a tuple:
+    made at least once per blocking collective, so it must be cheap).
 
     Attributes:
         busy: a pass has work without waiting (responses to run, frames read, a closed link).
@@ -141,7 +141,7 @@ class ControlPlane:
         self.stuck_reported = -1
         self.leaving_since: float | None = None  # set once this rank began to leave
         self.lingering_noted = False
-        self.published = WaitPlan(peers=bool(self.links))
+        self.published = WaitPlan(False, None, None, bool(self.links))
         self.on_unregister: Callable[[int], None] = lambda fd: None  # the engine's poll set drops fd
 
     # ----- a pass -----
@@ -180,16 +180,26 @@ class ControlPlane:
     def plan(self, engine_thread: bool) -> WaitPlan:
         """What a sleeper needs now (under the drive lock); see ``WaitPlan``."""
         deadline = None
-        if self.stall is not None and self.coordinator is not None:
-            checks = (self.stall.seconds_to_next_check(self.coordinator), self.coordinator.seconds_to_mismatch_check())
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.waiting_anything():
+            assert self.stall is not None  # invariant: rank 0 has both
+            checks = (self.stall.seconds_to_next_check(coordinator), coordinator.seconds_to_mismatch_check())
             seconds = min((c for c in checks if c is not None), default=None)
             deadline = None if seconds is None else time.monotonic() + seconds
         if engine_thread and self.leaving_since is not None and not self.lingering_noted:
             notice = self.leaving_since + LINGER_NOTICE
             deadline = notice if deadline is None else min(deadline, notice)
-        busy = bool(self.responses) or any(link.frames or link.closed_by_peer for link in self.links.values())
-        proposal = self.lane.pending if self.lane is not None else None
-        return WaitPlan(busy=busy, deadline=deadline, proposal=proposal, peers=bool(self.links))
+        lane = self.lane
+        return WaitPlan(self.busy(), deadline, None if lane is None else lane.pending, bool(self.links))
+
+    def busy(self) -> bool:
+        """True when a pass has work without waiting: responses to run, frames read, a link closed."""
+        if self.responses:
+            return True
+        for link in self.links.values():
+            if link.frames or link.closed_by_peer:
+                return True
+        return False
 
     def publish(self) -> None:
         """Leaves the engine thread the plan it sleeps by (under the drive lock, before

@@ -271,6 +271,11 @@ class Coordinator:
                 stalls.append(Stall(set_id, name, waited, missing))
         return stalls
 
+    def waiting_anything(self) -> bool:
+        """True when a tensor waits for ranks, or a stuck rank awaits a look (a cheap test
+        before working out deadlines)."""
+        return bool(self._pending) or self._examine_at is not None
+
     def next_deadline(self) -> float | None:
         """The clock time the oldest pending tensor was first seen, or None when none waits."""
         return min((p.first_seen for p in self._pending.values()), default=None)

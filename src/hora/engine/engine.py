@@ -364,7 +364,7 @@ class Engine:
         return (
             self._caller_error is not None
             or self._stop_requested
-            or control.plan(engine_thread=False).busy
+            or control.busy()
             or self.queue.has_new()
             or lane_waits
         )
