@@ -338,7 +338,7 @@ class Engine:
                 control.report_stuck()  # before this thread may sleep (it is in control.waiting)
                 plan = control.plan(engine_thread=False)
                 since = time.perf_counter() if spin else float("-inf")
-                events = sleeper.poll(poller, plan, caller=True, spin_since=since, shielded=self._shielded)
+                events = sleeper.poll(poller, lambda: plan, caller=True, spin_since=since, shielded=self._shielded)
                 # Woken by nothing (a lane wait's recheck): the answer is not imminent, so
                 # the next wait sleeps at once instead of spinning again.
                 spin = bool(events) or plan.busy
@@ -446,7 +446,7 @@ class Engine:
             if self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS:
                 events = sleeper.park()
             else:
-                events = sleeper.poll(sleeper.poller, control.published, caller=False, spin_since=self._last_work)
+                events = sleeper.poll(sleeper.poller, lambda: control.published, caller=False, spin_since=self._last_work)
             with self._drive:
                 # Invariant: _finished is set before the lock is let go for the last time,
                 # so no caller drives an engine that is ending (it would read, and lose, the

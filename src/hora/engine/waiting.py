@@ -7,8 +7,9 @@ what a pass published for it (``ControlPlane.published``, a ``WaitPlan``), plus 
 queue's "new entries" flag and the fast lane's shared memory for a published proposal;
 a caller waits holding the lock, with a plan computed there and then.
 
-Sleeping flags: a thread sets its flag before its last look at the queue, and a submit
-adds to the queue before it reads the flags, so a submit either is seen or writes a
+Sleeping flags: a thread sets its flag before its last look at the queue and at the
+published plan, and a submit adds to the queue and publishes its plan (a new fast-lane
+proposal) before it reads the flags, so what it did is either seen or followed by a
 wake-up byte (the GIL orders these accesses). The lane's watch flags work alike for
 peers' entries, with a fence on both sides (``hora.engine.fast_lane``).
 """
@@ -19,7 +20,7 @@ import contextlib
 import select
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hora.engine.control import WaitPlan
 from hora.engine.fast_lane import FastLane
@@ -120,7 +121,12 @@ class Sleeper:
         return [] if self._queue.has_new() else self._park_poller.poll(PARK_SECONDS * 1000.0)
 
     def poll(
-        self, poller: select.poll, plan: WaitPlan, caller: bool, spin_since: float, shielded: bool = False
+        self,
+        poller: select.poll,
+        plan_now: Callable[[], WaitPlan],
+        caller: bool,
+        spin_since: float,
+        shielded: bool = False,
     ) -> list[tuple[int, int]]:
         """Waits for a wake-up, a control frame, a submit, a lane answer, or the plan's
         deadline; reads nothing.
@@ -130,13 +136,17 @@ class Sleeper:
 
         Args:
             poller: ``poller`` (the engine thread) or ``callers_poller()`` (a caller).
-            plan: what to wait for (``ControlPlane.plan``/``published``).
+            plan_now: what to wait for: the plan a caller made, or for the engine thread
+                ``ControlPlane.published``, read again once its sleeping flag is set (a
+                thread that publishes a new plan, a fast-lane proposal say, reads the flag
+                after publishing: so the plan is seen, or the sleeper is woken).
             caller: a user thread holding the drive lock, rather than the engine thread.
             spin_since: ``time.perf_counter()`` the spin counts from.
             shielded: the main thread with the interrupt shield up: the blocking poll is
                 a safe point where a signal ends the wait (``Interrupted`` propagates).
         """
-        lane, proposal = self._lane, plan.proposal
+        lane, plan = self._lane, plan_now()
+        proposal = plan.proposal
         events = poller.poll(0)
         if events or plan.busy or (proposal is not None and lane is not None and lane.settled_for(proposal)):
             return events
@@ -148,18 +158,22 @@ class Sleeper:
             events = poller.poll(0)
         if events or queue.has_new():
             return events
-        timeout_ms = None if plan.deadline is None else max(0.0, (plan.deadline - time.monotonic()) * 1000.0)
         if caller:
             self.caller_sleeping = True
         else:
             self.sleeping = True
+        plan = plan_now()  # the last look, after the flag (see plan_now)
+        proposal = plan.proposal
+        timeout_ms = None if plan.deadline is None else max(0.0, (plan.deadline - time.monotonic()) * 1000.0)
         watched = lane if proposal is not None else None
         if watched is not None:
             watched.watch(caller, True)
             recheck = watched.recheck_ms()
             timeout_ms = recheck if timeout_ms is None else min(timeout_ms, recheck)
         try:
-            if not queue.has_new() and not (watched is not None and proposal is not None and watched.settled_for(proposal)):
+            if plan.busy:
+                pass  # a pass left work after all: no sleep
+            elif not queue.has_new() and not (watched is not None and proposal is not None and watched.settled_for(proposal)):
                 self._shield.safe = caller and shielded
                 events = poller.poll(timeout_ms)
         finally:
