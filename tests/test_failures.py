@@ -173,18 +173,22 @@ def test_killed_rank_makes_every_other_rank_raise(size, victim):
         assert "allreduce 'later' failed" in later and f"rank {victim}" in later
 
 
-@pytest.mark.timeout(90)
-def test_horarun_names_the_killed_rank_first():
-    script = TESTS / "scripts" / "kill_rank.py"
+def horarun(script: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Runs ``tests/scripts/<script>`` on 3 ranks under horarun; returns it and its summary lines."""
     proc = subprocess.run(
-        [sys.executable, "-m", "hora.runner", "-np", "3", sys.executable, str(script)],
+        [sys.executable, "-m", "hora.runner", "-np", "3", sys.executable, str(TESTS / "scripts" / script)],
         capture_output=True,
         text=True,
         timeout=80,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
     )
+    return proc, [line for line in proc.stderr.splitlines() if line.startswith("horarun:")]
+
+
+@pytest.mark.timeout(90)
+def test_horarun_names_the_killed_rank_first():
+    proc, summary = horarun("kill_rank.py")
     assert proc.returncode != 0
-    summary = [line for line in proc.stderr.splitlines() if line.startswith("horarun:")]
     assert summary and "rank 1 failed first" in summary[0] and "SIGKILL" in summary[0], proc.stderr
     # Every surviving rank printed the hora error naming rank 1.
     for rank in (0, 2):
@@ -195,15 +199,7 @@ def test_horarun_names_the_killed_rank_first():
 
 @pytest.mark.timeout(90)
 def test_horarun_names_the_rank_that_sent_a_malformed_frame_first():
-    script = TESTS / "scripts" / "malformed_frame.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hora.runner", "-np", "3", sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
-    )
-    summary = [line for line in proc.stderr.splitlines() if line.startswith("horarun:")]
+    proc, summary = horarun("malformed_frame.py")
     assert summary and "rank 1 failed first" in summary[0], proc.stderr
 
 

@@ -145,3 +145,57 @@ def test_the_mpirun_command_line() -> None:
         "/usr/bin/mpiexec", "-n", "4", "-prepend-rank", "-hosts", "a:2,b:2", "-genvlist", "HORA_SECRET,PATH",
         "python", "train.py",
     ]  # fmt: skip
+
+
+FAILING_JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import numpy as np
+    import hora.numpy as hvd
+    from hora.engine.mpi_collectives import MpiCollectives
+
+    how = sys.argv[1]
+    hvd.init()
+    data = np.ones(4 << 20, np.float32)
+    hvd.allreduce_(data, name="warm-up")
+    if hvd.rank() == 1:  # stopped while the others are inside the next allreduce's MPI call
+        calls = []
+        original = MpiCollectives._wait
+
+        def wait(self, requests):
+            calls.append(1)
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            return original(self, requests)
+
+        MpiCollectives._wait = wait
+    start = time.monotonic()
+    try:
+        for i in range(5):
+            hvd.allreduce_(data, name=f"step {i}")
+    except hvd.HoraInternalError as exc:
+        print(f"rank {hvd.rank()} after {time.monotonic() - start:.1f} s: HoraInternalError: {exc}", flush=True)
+        os._exit(3)  # MPI cannot cancel the abandoned collective: no MPI_Finalize
+    print(f"rank {hvd.rank()}: no error", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+@pytest.mark.timeout(120)
+def test_a_rank_lost_or_frozen_inside_an_mpi_collective_ends_the_job(system: None, tmp_path: Path, how: str) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(FAILING_JOB)
+    argv = ["mpirun.openmpi", "--oversubscribe", "--allow-run-as-root", "-np", "3", PY, str(job), how]
+    env = clean_env(
+        HORA_TRANSPORT="mpi", HORA_STALL_CHECK_TIME_SECONDS="1", HORA_STALL_SHUTDOWN_TIME_SECONDS="3", **OPENMPI_ENV
+    )
+    result = run(argv, env, tmp_path, timeout=100)  # a hang fails here
+    assert result.returncode != 0
+    if how == "freeze":
+        # MPI does not notice a stopped process: hora's stall clock in the wait does.
+        for rank in (0, 2):
+            line = next((x for x in result.stdout.splitlines() if x.startswith(f"rank {rank} after")), "")
+            assert "HoraInternalError" in line and "for rank(s) 1" in line and "stopped making progress" in line, (
+                result.stdout + result.stderr
+            )

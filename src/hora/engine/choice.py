@@ -65,7 +65,7 @@ class AlgorithmChoice:
 
     def _choose(self, ranks: tuple[int, ...]) -> Collectives:
         if self._mpi is not None:
-            return self._mpi.collectives(ranks)
+            return self._mpi.collectives(ranks, self._watch)
         domain = self._domain
         hosts = self._hosts_of(ranks)
         if domain is not None and len(ranks) > 1 and len(hosts) == 1:

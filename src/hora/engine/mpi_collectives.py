@@ -2,19 +2,27 @@
 
 For clusters whose MPI is tuned for their network. Negotiation stays hora's (rank 0's
 coordinator over TCP), so every rank still runs the same collectives in the same
-order; only the data moves through MPI: ``Allreduce``, ``Reduce_scatter``,
-``Allgatherv``, ``Bcast`` and ``Alltoallv`` on each process set's communicator, and
+order; only the data moves through MPI: ``Iallreduce``, ``Ireduce_scatter``,
+``Iallgatherv``, ``Ibcast`` and ``Ialltoallv`` on each process set's communicator, and
 Adasum's pairwise exchanges through ``Isend``/``Irecv``.
 
 MPI has no float16 or bfloat16 arithmetic: those reduce in float32 and round back.
 Bools reduce as bytes (``MAX`` is or, ``MIN`` is and).
 
-Failures: a rank that dies inside an MPI call is MPI's to handle (``mpirun`` ends the
-job); hora's own failure messages cover everything outside MPI calls.
+Failures: every collective runs as a non-blocking MPI call (``Iallreduce``, ...) that
+the engine tests until done, looking now and then (``LOOK_SECONDS``) at what every hora
+wait watches (``hora.transport.tcp.Watch``): an ABORT on the control link, a lost rank
+0, the stall clock, a held-back signal. So a rank lost or frozen mid-collective fails
+the job with hora's error, as far as MPI allows: MPI cannot cancel a collective, so the
+abandoned call stays with MPI, and ``mpirun`` usually ends the job when a rank dies.
+MPI makes progress only inside MPI calls, so the wait tests without sleeping, as MPI's
+own blocking wait does.
 """
 
 from __future__ import annotations
 
+import select
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +32,7 @@ from hora.collectives import adasum
 from hora.collectives.reduce import Reducer, bf16_to_f32, f32_to_bf16
 from hora.collectives.ring import Bounds
 from hora.errors import HoraInternalError
+from hora.transport.tcp import Patience, Watch
 
 
 def load_mpi() -> Any:
@@ -51,12 +60,52 @@ _OPS: dict[np.ufunc, str] = {np.add: "SUM", np.minimum: "MIN", np.maximum: "MAX"
 _BOOL_OPS: dict[np.ufunc, str] = {np.logical_or: "MAX", np.logical_and: "MIN"}  # on bytes 0 and 1
 
 
-class MpiChannel:
-    """A ``collectives.channel.Channel`` over an MPI communicator (for Adasum)."""
+LOOK_SECONDS = 1e-3  # how often a wait for MPI looks at the watch
 
-    def __init__(self, comm: Any, mpi: Any) -> None:
+
+class MpiChannel:
+    """A ``collectives.channel.Channel`` over an MPI communicator (for Adasum).
+
+    Args:
+        comm: the set's communicator (ranks in set order).
+        mpi: mpi4py's MPI module.
+        peers: the set's other global ranks (named when it stalls).
+        watch: what the waits keep an eye on (None: nothing but MPI).
+    """
+
+    def __init__(self, comm: Any, mpi: Any, peers: Sequence[int] = (), watch: Watch | None = None) -> None:
         self._comm = comm
         self._mpi = mpi
+        self._peers = list(peers)
+        self._watch = watch
+
+    def _wait(self, requests: list[Any]) -> None:
+        """Tests ``requests`` until all are done, looking at the watch every ``LOOK_SECONDS``.
+
+        Raises:
+            Exception: what the watch raises (an abort, a lost rank 0, a stall past the
+                shutdown time, a signal's handler after the wait stopped progressing).
+        """
+        test_all = self._mpi.Request.Testall
+        if test_all(requests) or self._watch is None:
+            self._mpi.Request.Waitall(requests)
+            return
+        watch = self._watch
+        patience = Patience(watch)
+        masks: dict[int, int] = {}
+        watch.register(masks)
+        poller = select.poll()
+        for fd, mask in masks.items():
+            poller.register(fd, mask)
+        next_look = time.perf_counter() + LOOK_SECONDS
+        while not test_all(requests):
+            if time.perf_counter() < next_look:
+                continue
+            for fd, events in poller.poll(0):
+                if watch.service(fd, events, {}) == "closed":
+                    poller.unregister(fd)
+            patience.check(lambda: self._peers)
+            next_look = time.perf_counter() + LOOK_SECONDS
 
     @property
     def rank(self) -> int:
@@ -69,7 +118,7 @@ class MpiChannel:
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
         requests = [self._comm.Irecv(_bytes(buffer), source=peer) for peer, buffer in recvs if buffer.size]
         requests += [self._comm.Isend(_bytes(buffer), dest=peer) for peer, buffer in sends if buffer.size]
-        self._mpi.Request.Waitall(requests)
+        self._wait(requests)
 
 
 def _bytes(buffer: np.ndarray) -> np.ndarray:
@@ -84,12 +133,8 @@ def _movable(buffer: np.ndarray) -> np.ndarray:
 
 
 class MpiCollectives(MpiChannel):
-    """One process set's collectives on its MPI communicator (also its channel, for Adasum).
-
-    Args:
-        comm: the set's communicator (ranks in set order).
-        mpi: mpi4py's MPI module.
-    """
+    """One process set's collectives on its MPI communicator (also its channel, for Adasum);
+    arguments as ``MpiChannel``'s."""
 
     @property
     def label(self) -> str:
@@ -123,7 +168,7 @@ class MpiCollectives(MpiChannel):
         self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
     ) -> None:
         wide, op = self._reducing(buffer, reduce)
-        self._comm.Allreduce(self._mpi.IN_PLACE, wide, op=op)
+        self._wait([self._comm.Iallreduce(self._mpi.IN_PLACE, wide, op=op)])
         self._narrow(wide, buffer, reduce)
         if postscale is not None:
             postscale(buffer)
@@ -140,24 +185,25 @@ class MpiCollectives(MpiChannel):
         wide_in, op = self._reducing(data, reduce)
         wide_out, _ = self._reducing(output, reduce)
         counts = [length for _, length in bounds]
-        self._comm.Reduce_scatter(wide_in, wide_out, recvcounts=counts, op=op)
+        self._wait([self._comm.Ireduce_scatter(wide_in, wide_out, recvcounts=counts, op=op)])
         self._narrow(wide_out, output, reduce)
 
     def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
         counts = [length for _, length in bounds]
         displacements = [offset for offset, _ in bounds]
-        self._comm.Allgatherv(self._mpi.IN_PLACE, [_movable(buffer), (counts, displacements)])
+        self._wait([self._comm.Iallgatherv(self._mpi.IN_PLACE, [_movable(buffer), (counts, displacements)])])
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        self._comm.Bcast(_movable(buffer), root=root)
+        self._wait([self._comm.Ibcast(_movable(buffer), root=root)])
 
     def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
         send_displacements = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(int).tolist()
         recv_displacements = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(int).tolist()
-        self._comm.Alltoallv(
+        request = self._comm.Ialltoallv(
             [_movable(send), (send_counts, send_displacements)],
             [_movable(recv), (recv_counts, recv_displacements)],
         )
+        self._wait([request])
 
 
 class MpiWorld:
@@ -186,8 +232,8 @@ class MpiWorld:
         self._world = world.Dup()  # collective: every rank builds its engine at init()
         self._comms: dict[tuple[int, ...], Any] = {tuple(range(size)): self._world}
 
-    def collectives(self, ranks: tuple[int, ...]) -> MpiCollectives:
-        """The collectives of the set with these global ranks.
+    def collectives(self, ranks: tuple[int, ...], watch: Watch | None = None) -> MpiCollectives:
+        """The collectives of the set with these global ranks, their waits watching ``watch``.
 
         The first call for a set creates its communicator, collectively over the set's
         ranks; they all make it while executing the set's first response, in order.
@@ -197,4 +243,5 @@ class MpiWorld:
             group = self._world.Get_group().Incl(list(ranks))
             comm = self._comms[ranks] = self._world.Create_group(group)
             group.Free()
-        return MpiCollectives(comm, self._mpi)
+        me = self._world.Get_rank()
+        return MpiCollectives(comm, self._mpi, [r for r in ranks if r != me], watch)
