@@ -152,7 +152,7 @@ FAILING_JOB = textwrap.dedent(
     import os, signal, sys, time
     import numpy as np
     import hora.numpy as hvd
-    from hora.engine.mpi_collectives import MpiCollectives
+    from hora.engine.mpi_collectives import MpiThread
 
     how = sys.argv[1]
     hvd.init()
@@ -160,22 +160,22 @@ FAILING_JOB = textwrap.dedent(
     hvd.allreduce_(data, name="warm-up")
     if hvd.rank() == 1:  # stopped while the others are inside the next allreduce's MPI call
         calls = []
-        original = MpiCollectives._wait
+        original = MpiThread.run
 
-        def wait(self, requests):
+        def run(self, call, watch, peers):
             calls.append(1)
             if len(calls) == 1:
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-            return original(self, requests)
+            return original(self, call, watch, peers)
 
-        MpiCollectives._wait = wait
+        MpiThread.run = run
     start = time.monotonic()
     try:
         for i in range(5):
             hvd.allreduce_(data, name=f"step {i}")
     except hvd.HoraInternalError as exc:
         print(f"rank {hvd.rank()} after {time.monotonic() - start:.1f} s: HoraInternalError: {exc}", flush=True)
-        os._exit(3)  # MPI cannot cancel the abandoned collective: no MPI_Finalize
+        sys.exit(3)  # at exit hora calls MPI_Abort: the abandoned collective cannot finish
     print(f"rank {hvd.rank()}: no error", flush=True)
     """
 )
@@ -193,9 +193,9 @@ def test_a_rank_lost_or_frozen_inside_an_mpi_collective_ends_the_job(system: Non
     result = run(argv, env, tmp_path, timeout=100)  # a hang fails here
     assert result.returncode != 0
     if how == "freeze":
-        # MPI does not notice a stopped process: hora's stall clock in the wait does.
+        # MPI does not notice a stopped process: hora's stall clock in the wait does (it
+        # names the set's other ranks: MPI does not say which one stopped).
         for rank in (0, 2):
             line = next((x for x in result.stdout.splitlines() if x.startswith(f"rank {rank} after")), "")
-            assert "HoraInternalError" in line and "for rank(s) 1" in line and "stopped making progress" in line, (
-                result.stdout + result.stderr
-            )
+            assert "HoraInternalError" in line and "stopped making progress" in line, result.stdout + result.stderr
+            assert re.search(r"for rank\(s\) [\d, ]*\b1\b", line), line

@@ -115,7 +115,8 @@ def fail(control: ControlPlane, reason: str, settled: bool = False) -> str:
         if not link.closed_by_peer:
             _send_quietly(link, messages.FAILURE, messages.encode_reason(f"rank {control.rank}: {reason}"))
         reason = _await_abort(control, link, reason)
-    log.error("hora: rank %d: %s", control.rank, reason)
+    mine = f"rank {control.rank}: "
+    log.error("hora: %s", reason if reason.startswith(mine) else mine + reason)
     control.queue.close(internal_error(reason))
     control.executor.abandon(internal_error(reason))
     return reason

@@ -2,27 +2,33 @@
 
 For clusters whose MPI is tuned for their network. Negotiation stays hora's (rank 0's
 coordinator over TCP), so every rank still runs the same collectives in the same
-order; only the data moves through MPI: ``Iallreduce``, ``Ireduce_scatter``,
-``Iallgatherv``, ``Ibcast`` and ``Ialltoallv`` on each process set's communicator, and
+order; only the data moves through MPI: ``Allreduce``, ``Reduce_scatter``,
+``Allgatherv``, ``Bcast`` and ``Alltoallv`` on each process set's communicator, and
 Adasum's pairwise exchanges through ``Isend``/``Irecv``.
 
 MPI has no float16 or bfloat16 arithmetic: those reduce in float32 and round back.
 Bools reduce as bytes (``MAX`` is or, ``MIN`` is and).
 
-Failures: every collective runs as a non-blocking MPI call (``Iallreduce``, ...) that
-the engine tests until done, looking now and then (``LOOK_SECONDS``) at what every hora
-wait watches (``hora.transport.tcp.Watch``): an ABORT on the control link, a lost rank
-0, the stall clock, a held-back signal. So a rank lost or frozen mid-collective fails
-the job with hora's error, as far as MPI allows: MPI cannot cancel a collective, so the
-abandoned call stays with MPI, and ``mpirun`` usually ends the job when a rank dies.
-MPI makes progress only inside MPI calls, so the wait tests without sleeping, as MPI's
-own blocking wait does.
+Failures: every MPI call of the data plane runs on one thread of its own (``MpiThread``,
+blocking calls: MPI's own algorithms, faster here than its non-blocking ones), while the
+engine waits for it looking every ``LOOK_SECONDS`` at what every hora wait watches
+(``hora.transport.tcp.Watch``): an ABORT on the control link, a lost rank 0, the stall
+clock, a held-back signal. So a rank lost or frozen mid-collective fails the job with
+hora's error, as far as MPI allows: MPI cannot cancel a collective, so the call stays
+blocked in MPI, and the process calls ``MPI_Abort`` when it exits (``mpirun`` then ends
+every rank) instead of waiting for ever in ``MPI_Finalize``.
 """
 
 from __future__ import annotations
 
+import _thread
+import atexit
+import logging
+import os
+import queue
 import select
-import time
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +39,8 @@ from hora.collectives.reduce import Reducer, bf16_to_f32, f32_to_bf16
 from hora.collectives.ring import Bounds
 from hora.errors import HoraInternalError
 from hora.transport.tcp import Patience, Watch
+
+log = logging.getLogger("hora")
 
 
 def load_mpi() -> Any:
@@ -63,49 +71,107 @@ _BOOL_OPS: dict[np.ufunc, str] = {np.logical_or: "MAX", np.logical_and: "MIN"}  
 LOOK_SECONDS = 1e-3  # how often a wait for MPI looks at the watch
 
 
+class MpiThread:
+    """The one thread that makes the data plane's MPI calls, so the engine can watch
+    while MPI blocks (started on first use; a daemon).
+
+    Args:
+        mpi: mpi4py's MPI module.
+    """
+
+    def __init__(self, mpi: Any) -> None:
+        self._mpi = mpi
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], _thread.LockType, list[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._abandoned = False
+
+    def run(self, call: Callable[[], Any], watch: Watch | None, peers: Sequence[int]) -> Any:
+        """Runs ``call`` on the MPI thread and waits for it, watching ``watch``.
+
+        Raises:
+            Exception: what ``call`` raises, or what the watch raises (an abort, a lost
+                rank 0, a stall past the shutdown time, a signal's handler once the wait
+                stopped progressing): the call is then abandoned inside MPI.
+        """
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="hora-mpi", daemon=True)
+            self._thread.start()
+        done = _thread.allocate_lock()
+        done.acquire()
+        box: list[Any] = [None, None]  # result, exception
+        self._jobs.put((call, done, box))
+        if not done.acquire(timeout=LOOK_SECONDS):
+            try:
+                self._watch_until(done, watch, peers)
+            except BaseException:
+                self._abandon()
+                raise
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    @staticmethod
+    def _watch_until(done: _thread.LockType, watch: Watch | None, peers: Sequence[int]) -> None:
+        patience = Patience(watch)
+        masks: dict[int, int] = {}
+        if watch is not None:
+            watch.register(masks)
+        poller = select.poll()
+        for fd, mask in masks.items():
+            poller.register(fd, mask)
+        while not done.acquire(timeout=LOOK_SECONDS):
+            if watch is not None:
+                for fd, events in poller.poll(0):
+                    if watch.service(fd, events, {}) == "closed":
+                        poller.unregister(fd)
+            patience.check(lambda: list(peers))
+
+    def _serve(self) -> None:
+        while True:
+            call, done, box = self._jobs.get()
+            try:
+                box[0] = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box[1] = exc
+            done.release()
+
+    def _abandon(self) -> None:
+        """A call stays blocked in MPI: at exit, end the MPI job rather than wait in
+        ``MPI_Finalize`` for ever (handlers run last-registered first, before mpi4py's)."""
+        if not self._abandoned:
+            self._abandoned = True
+            atexit.register(_abort, self._mpi)
+
+
+def _abort(mpi: Any) -> None:
+    log.error("hora: an MPI collective was abandoned mid-way (the job failed): calling MPI_Abort")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if mpi.Query_thread() == mpi.THREAD_MULTIPLE:
+        mpi.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
 class MpiChannel:
     """A ``collectives.channel.Channel`` over an MPI communicator (for Adasum).
 
     Args:
         comm: the set's communicator (ranks in set order).
         mpi: mpi4py's MPI module.
+        worker: the thread that makes the MPI calls.
         peers: the set's other global ranks (named when it stalls).
-        watch: what the waits keep an eye on (None: nothing but MPI).
+        watch: what the waits keep an eye on.
     """
 
-    def __init__(self, comm: Any, mpi: Any, peers: Sequence[int] = (), watch: Watch | None = None) -> None:
+    def __init__(self, comm: Any, mpi: Any, worker: MpiThread, peers: Sequence[int] = (), watch: Watch | None = None) -> None:
         self._comm = comm
         self._mpi = mpi
+        self._worker = worker
         self._peers = list(peers)
         self._watch = watch
 
-    def _wait(self, requests: list[Any]) -> None:
-        """Tests ``requests`` until all are done, looking at the watch every ``LOOK_SECONDS``.
-
-        Raises:
-            Exception: what the watch raises (an abort, a lost rank 0, a stall past the
-                shutdown time, a signal's handler after the wait stopped progressing).
-        """
-        test_all = self._mpi.Request.Testall
-        if test_all(requests) or self._watch is None:
-            self._mpi.Request.Waitall(requests)
-            return
-        watch = self._watch
-        patience = Patience(watch)
-        masks: dict[int, int] = {}
-        watch.register(masks)
-        poller = select.poll()
-        for fd, mask in masks.items():
-            poller.register(fd, mask)
-        next_look = time.perf_counter() + LOOK_SECONDS
-        while not test_all(requests):
-            if time.perf_counter() < next_look:
-                continue
-            for fd, events in poller.poll(0):
-                if watch.service(fd, events, {}) == "closed":
-                    poller.unregister(fd)
-            patience.check(lambda: self._peers)
-            next_look = time.perf_counter() + LOOK_SECONDS
+    def _run(self, call: Callable[[], Any]) -> Any:
+        return self._worker.run(call, self._watch, self._peers)
 
     @property
     def rank(self) -> int:
@@ -116,9 +182,12 @@ class MpiChannel:
         return int(self._comm.Get_size())
 
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
-        requests = [self._comm.Irecv(_bytes(buffer), source=peer) for peer, buffer in recvs if buffer.size]
-        requests += [self._comm.Isend(_bytes(buffer), dest=peer) for peer, buffer in sends if buffer.size]
-        self._wait(requests)
+        def call() -> None:
+            requests = [self._comm.Irecv(_bytes(buffer), source=peer) for peer, buffer in recvs if buffer.size]
+            requests += [self._comm.Isend(_bytes(buffer), dest=peer) for peer, buffer in sends if buffer.size]
+            self._mpi.Request.Waitall(requests)
+
+        self._run(call)
 
 
 def _bytes(buffer: np.ndarray) -> np.ndarray:
@@ -168,7 +237,7 @@ class MpiCollectives(MpiChannel):
         self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
     ) -> None:
         wide, op = self._reducing(buffer, reduce)
-        self._wait([self._comm.Iallreduce(self._mpi.IN_PLACE, wide, op=op)])
+        self._run(lambda: self._comm.Allreduce(self._mpi.IN_PLACE, wide, op=op))
         self._narrow(wide, buffer, reduce)
         if postscale is not None:
             postscale(buffer)
@@ -185,25 +254,26 @@ class MpiCollectives(MpiChannel):
         wide_in, op = self._reducing(data, reduce)
         wide_out, _ = self._reducing(output, reduce)
         counts = [length for _, length in bounds]
-        self._wait([self._comm.Ireduce_scatter(wide_in, wide_out, recvcounts=counts, op=op)])
+        self._run(lambda: self._comm.Reduce_scatter(wide_in, wide_out, recvcounts=counts, op=op))
         self._narrow(wide_out, output, reduce)
 
     def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
         counts = [length for _, length in bounds]
         displacements = [offset for offset, _ in bounds]
-        self._wait([self._comm.Iallgatherv(self._mpi.IN_PLACE, [_movable(buffer), (counts, displacements)])])
+        self._run(lambda: self._comm.Allgatherv(self._mpi.IN_PLACE, [_movable(buffer), (counts, displacements)]))
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        self._wait([self._comm.Ibcast(_movable(buffer), root=root)])
+        self._run(lambda: self._comm.Bcast(_movable(buffer), root=root))
 
     def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
         send_displacements = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(int).tolist()
         recv_displacements = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(int).tolist()
-        request = self._comm.Ialltoallv(
-            [_movable(send), (send_counts, send_displacements)],
-            [_movable(recv), (recv_counts, recv_displacements)],
+        self._run(
+            lambda: self._comm.Alltoallv(
+                [_movable(send), (send_counts, send_displacements)],
+                [_movable(recv), (recv_counts, recv_displacements)],
+            )
         )
-        self._wait([request])
 
 
 class MpiWorld:
@@ -231,6 +301,7 @@ class MpiWorld:
             )
         self._world = world.Dup()  # collective: every rank builds its engine at init()
         self._comms: dict[tuple[int, ...], Any] = {tuple(range(size)): self._world}
+        self._worker = MpiThread(self._mpi)
 
     def collectives(self, ranks: tuple[int, ...], watch: Watch | None = None) -> MpiCollectives:
         """The collectives of the set with these global ranks, their waits watching ``watch``.
@@ -239,9 +310,16 @@ class MpiWorld:
         ranks; they all make it while executing the set's first response, in order.
         """
         comm = self._comms.get(ranks)
-        if comm is None:
-            group = self._world.Get_group().Incl(list(ranks))
-            comm = self._comms[ranks] = self._world.Create_group(group)
-            group.Free()
         me = self._world.Get_rank()
-        return MpiCollectives(comm, self._mpi, [r for r in ranks if r != me], watch)
+        peers = [r for r in ranks if r != me]
+        if comm is None:
+
+            def create() -> Any:
+                group = self._world.Get_group().Incl(list(ranks))
+                try:
+                    return self._world.Create_group(group)
+                finally:
+                    group.Free()
+
+            comm = self._comms[ranks] = self._worker.run(create, watch, peers)
+        return MpiCollectives(comm, self._mpi, self._worker, peers, watch)
