@@ -29,7 +29,8 @@ def overlapping_job() -> dict:
     for s in sets:
         if s.included():
             gathered[s.process_set_id] = hvd.allgather(np.array([me]), name="who", process_set=s).tolist()
-            gathered[(s.process_set_id, "b")] = hvd.broadcast(np.array([me]), root_rank=1, process_set=s).tolist()
+            root = s.ranks[1]  # a global rank, as in Horovod
+            gathered[(s.process_set_id, "b")] = hvd.broadcast(np.array([me]), root_rank=root, process_set=s).tolist()
     out["gathered"] = gathered
     outsider = next(s for s in sets if not s.included())
     try:
@@ -138,3 +139,35 @@ def test_shutdown_from_another_thread_does_not_wait_behind_a_process_set_change(
     result = run_ranks(2, shutdown_during_add_job, timeout=40)[1]
     assert result["took"] < 5.0, result
     assert result["outcome"] == ["HoraInternalError"] and not result["alive"], result
+
+
+def global_root_job() -> dict:
+    import hora.numpy as hvd
+
+    n = int(__import__("os").environ["HORA_SIZE"])
+    evens, odds = hvd.ProcessSet(range(0, n, 2)), hvd.ProcessSet(range(1, n, 2))
+    hvd.init(process_sets=[evens, odds])
+    me = hvd.rank()
+    mine = evens if me % 2 == 0 else odds
+    root = mine.ranks[-1]  # each set's last member, named by its global rank
+    out = {
+        "tensor": hvd.broadcast(np.array([me]), root_rank=root, process_set=mine).tolist(),
+        "object": hvd.broadcast_object({"from": me}, root_rank=root, process_set=mine),
+    }
+    outsider = (me + 1) % n  # a rank of the other set
+    try:
+        hvd.broadcast(np.array([me]), root_rank=outsider, process_set=mine, name="bad")
+        out["outsider"] = "no error"
+    except ValueError as exc:
+        out["outsider"] = str(exc)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.timeout(60)
+def test_root_rank_is_a_global_rank_inside_process_sets(size):
+    for me, out in enumerate(run_ranks(size, global_root_job)):
+        members = [r for r in range(size) if r % 2 == me % 2]
+        assert out["tensor"] == [members[-1]] and out["object"] == {"from": members[-1]}, out
+        assert f"root_rank {(me + 1) % size} is not a rank of the process set" in out["outsider"], out

@@ -274,13 +274,13 @@ def process_set_job() -> dict:
     out: dict = {"included": (evens.included(), odds.included()), "set rank": mine.rank()}
     out["sum"] = hvd.allreduce(torch.tensor([float(me)]), op=hvd.Sum, process_set=mine).tolist()
     out["gather"] = hvd.allgather(torch.tensor([me]), process_set=mine).tolist()
-    out["bcast"] = hvd.broadcast(torch.tensor([me]), root_rank=mine.size() - 1, process_set=mine).tolist()
+    out["bcast"] = hvd.broadcast(torch.tensor([me]), root_rank=mine.ranks[-1], process_set=mine).tolist()
     t = torch.tensor([float(me)] * 2)
     hvd.allreduce_(t, op=hvd.Max, process_set=mine)
     out["inplace"] = t.tolist()
     out["rs"] = hvd.reducescatter(torch.ones(mine.size(), 1), op=hvd.Sum, process_set=mine).tolist()
     out["a2a"] = hvd.alltoall(torch.arange(mine.size()) + 10 * me, process_set=mine).tolist()
-    out["object"] = hvd.broadcast_object(me, root_rank=0, process_set=mine)
+    out["object"] = hvd.broadcast_object(me, root_rank=mine.ranks[0], process_set=mine)  # global ranks
     hvd.barrier(process_set=mine)
     hvd.barrier()
     other = odds if mine is evens else evens

@@ -408,7 +408,8 @@ def broadcast_object(
 ) -> Any:
     """Sends a picklable object from ``root_rank`` to every rank of the set.
 
-    The object travels as a cloudpickle, only between authenticated ranks of this job.
+    ``root_rank`` is a global rank (a member of the set), as in Horovod. The object
+    travels as a cloudpickle, only between authenticated ranks of this job.
 
     Returns:
         The root's object, on every rank.
@@ -418,7 +419,7 @@ def broadcast_object(
     # (root: a dict, others: None) still agree on the name.
     base = ops.full_name(runtime, "broadcast_object", name, process_set)
     with ops.refusal(runtime, RequestType.BROADCAST, [f"{base}.sz"], process_set):  # e.g. an unpicklable object
-        is_root = process_set.rank() == root_rank
+        is_root = runtime.rank == root_rank  # a global rank, as in Horovod
         payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8) if is_root else np.empty(0, np.uint8)
         length = np.array([payload.size], dtype=np.int64)
         handle = ops.broadcast(runtime, ops.from_numpy(length), length, root_rank, f"{base}.sz", process_set)

@@ -129,7 +129,7 @@ def allgather_async(adapter: Adapter, tensors: Sequence[Any], name: str | None, 
 def broadcast_async(
     adapter: Adapter, tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
 ) -> int:
-    """Queues a broadcast from ``root_rank`` (a rank within the set); returns the handle id."""
+    """Queues a broadcast from ``root_rank`` (a global rank, a member of the set); returns the handle id."""
     runtime = current()
     handle_id = runtime.next_id()
     full = ops.full_name(runtime, "broadcast", name, process_set)

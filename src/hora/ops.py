@@ -235,14 +235,25 @@ def allgather(
 def broadcast(
     runtime: Runtime, tensor: Tensor, output: np.ndarray, root_rank: int, name: str, process_set: ProcessSet
 ) -> Handle:
-    """Queues a broadcast from ``root_rank`` (a rank within the set) into ``output``."""
+    """Queues a broadcast from ``root_rank`` into ``output``.
+
+    ``root_rank`` is a rank of the job (a global rank), also inside a process set, as in
+    Horovod; it must be a member of the set.
+
+    Raises:
+        ValueError: the root is not a member of the set.
+    """
     label = tensor_label("broadcast", name)
     sid = set_id(runtime, process_set, label)
-    size = len(_members(runtime, sid))
-    if not 0 <= int(root_rank) < size:
-        raise ValueError(f"{label}: root_rank {root_rank} is not a rank of the process set (size {size})")
+    members = _members(runtime, sid)
+    root = int(root_rank)
+    if root not in members:
+        where = f"size {len(members)}" if sid == 0 else f"ranks {list(members)}"
+        raise ValueError(
+            f"{label}: root_rank {root_rank} is not a rank of the process set ({where}); root_rank is a global rank"
+        )
     return runtime.submit(
-        RequestType.BROADCAST, name, tensor.dtype, tensor.data, output, tensor.shape, sid, root_rank=int(root_rank)
+        RequestType.BROADCAST, name, tensor.dtype, tensor.data, output, tensor.shape, sid, root_rank=root
     )
 
 

@@ -236,9 +236,10 @@ class Executor:
 
     def _broadcast(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None and entry.output is not None  # invariant: set at enqueue
-        if channel.rank == response.root_rank and entry.output is not entry.input:
+        root = self.sets.ranks(response.process_set_id).index(response.root_rank)  # global -> set rank
+        if channel.rank == root and entry.output is not entry.input:
             np.copyto(entry.output, entry.input)
-        channel.broadcast(entry.output, response.root_rank)
+        channel.broadcast(entry.output, root)
         entry.handle.complete(entry.output.reshape(entry.shape))
 
     def _alltoall(self, response: Response, channel: Collectives, entry: Entry) -> None:

@@ -97,7 +97,7 @@ class Request:
         dtype: a ``DataType`` code.
         shape: the tensor's shape.
         reduce_op: a reduce op code (allreduce, reducescatter).
-        root_rank: the root (broadcast, in process-set ranks); the set id (remove).
+        root_rank: the root (broadcast: a global rank); the set id (remove).
         prescale: factor applied to each rank's input before reducing.
         postscale: factor applied to the result.
         splits: alltoall split sizes; the ranks of a process set to add.
@@ -169,7 +169,7 @@ class Response:
         process_set_id: the process set it runs in.
         dtype: a ``DataType`` code.
         reduce_op: the reduce op code.
-        root_rank: broadcast root (set rank); JOIN: the last rank to join;
+        root_rank: broadcast root (a global rank); JOIN: the last rank to join;
             ADD_PROCESS_SET / REMOVE_PROCESS_SET: the set id.
         prescale: see ``Request``.
         postscale: see ``Request``.

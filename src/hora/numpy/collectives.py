@@ -243,7 +243,8 @@ def broadcast_async_(
 def broadcast(
     tensor: np.ndarray, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> np.ndarray:
-    """Returns ``root_rank``'s ``tensor`` on every rank (``root_rank`` is a rank within the set)."""
+    """Returns ``root_rank``'s ``tensor`` on every rank of the set (``root_rank`` is a global
+    rank, as in Horovod, also inside a process set)."""
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
 
 

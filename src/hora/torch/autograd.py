@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hora import ops
-from hora.api import synchronize
+from hora.api import current, synchronize
 from hora.collectives.reduce import AVERAGE, SUM
 from hora.compression import Compression, Compressor
 from hora.process_sets import ProcessSet, global_process_set
@@ -222,7 +222,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad = allreduce(grad_output, op=AVERAGE, process_set=ctx.process_set)
-        if ctx.process_set.rank() != ctx.root_rank:
+        if current().rank != ctx.root_rank:  # root_rank is a global rank
             grad = torch.zeros_like(grad)
         return grad, None, None, None
 
@@ -232,7 +232,7 @@ def broadcast(
 ) -> torch.Tensor:
     """Returns ``root_rank``'s tensor on every rank of the set (differentiable); the input is not modified.
 
-    ``root_rank`` is a rank within the process set (the global rank for the global set).
+    ``root_rank`` is a global rank (a member of the set), as in Horovod.
     """
     return _apply(HorovodBroadcast, tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
 

@@ -233,7 +233,7 @@ def broadcast_async(
 ) -> int:
     """Starts copying ``root_rank``'s tensor to every rank of the set, into a new tensor.
 
-    ``root_rank`` is a rank within the process set (the global rank for the global set).
+    ``root_rank`` is a global rank (a member of the set), as in Horovod.
     """
     return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, False)
 
