@@ -103,8 +103,8 @@ def duplicate_and_local_errors_job() -> list[str]:
         try:
             call()
             messages.append("no error")
-        except ValueError as exc:
-            messages.append(str(exc))
+        except (ValueError, RuntimeError) as exc:  # an unsupported op raises Horovod's RuntimeError class
+            messages.append(f"{type(exc).__name__}: {exc}")
     try:
         hvd.allreduce(np.ones(2, dtype=np.int32), op=hvd.Adasum)
     except ValueError as exc:
@@ -123,8 +123,8 @@ def test_local_errors_raise_at_once():
         assert "root_rank 5 is not a rank of the process set" in messages[4]
         assert "Tensor type uint32 is not supported" in messages[5]
         assert "Average is not defined for bool" in messages[6]
-        assert messages[7] == "Tensor is required to be contiguous."
-        assert "reduce op Max is not supported here" in messages[8]
+        assert messages[7] == "ValueError: Tensor is required to be contiguous."
+        assert messages[8].startswith("UnsupportedOperationError") and "reduce op Max is not supported here" in messages[8]
         assert "Adasum needs floating-point tensors; got int32" in messages[9]
 
 
@@ -286,3 +286,27 @@ def test_a_malformed_frame_fails_the_job_naming_the_rank_that_sent_it():
     for value in run_ranks(3, malformed_frame_job):
         assert "rank 1 on host" in value and "sent a malformed control message" in value, value
         assert "an unexpected control frame (kind 99)" in value, value
+
+
+def error_classes_job() -> dict[str, list[str]]:
+    import hora.numpy as hvd
+
+    hvd.init()
+    out: dict[str, list[str]] = {}
+    try:  # Horovod raises HorovodInternalError, a RuntimeError, for an op reducescatter lacks
+        hvd.reducescatter(np.ones(4), op=hvd.Adasum, name="rs")
+    except RuntimeError as exc:
+        out["reducescatter"] = [c.__name__ for c in type(exc).__mro__]
+    try:  # cross-rank mismatches surface as HorovodInternalError in Horovod
+        hvd.allreduce(np.ones(2 + hvd.rank()), name="shape")
+    except hvd.HorovodInternalError as exc:
+        out["mismatch"] = [c.__name__ for c in type(exc).__mro__]
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_errors_keep_horovods_classes():
+    for out in run_ranks(2, error_classes_job):
+        assert "HoraInternalError" in out["reducescatter"] and "NotImplementedError" in out["reducescatter"], out
+        assert out["mismatch"][:2] == ["CollectiveMismatchError", "HoraInternalError"], out

@@ -5,7 +5,8 @@ rank or was aborted: elastic training restores the last committed state and retr
 ``HostsUpdatedInterrupt`` means the set of hosts changed: elastic training resets.
 ``CollectiveMismatchError`` means the ranks disagreed about a collective (shape,
 dtype, op, ...): a bug in the script, raised on every rank, after which the runtime
-remains usable.
+remains usable; it is a ``HoraInternalError``, as Horovod raises ``HorovodInternalError``
+for these.
 
 Horovod's names are kept as aliases so that ``except hvd.HorovodInternalError``
 works unchanged.
@@ -35,13 +36,20 @@ class HoraVersionMismatchError(ImportError):
     """A framework binding was built for a different framework version than the one imported."""
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(HoraInternalError):
     """The ranks of a process set submitted a collective that they do not agree on.
 
     The message names the operation, the tensor and each rank's value, for example
     ``allreduce 'grad.w': shapes differ across ranks: rank 0 (17, 1311), rank 1 (17, 23)``.
-    Raised on every rank; later collectives run normally.
+    Raised on every rank; later collectives run normally. A subclass of
+    ``HoraInternalError`` because Horovod raises ``HorovodInternalError`` for these.
     """
+
+
+class UnsupportedOperationError(HoraInternalError, NotImplementedError):
+    """An operation not offered for these arguments (``reducescatter`` with Adasum, Min,
+    Max or Product). Horovod raises ``HorovodInternalError`` (a ``RuntimeError``) here;
+    this is one, and a ``NotImplementedError`` too."""
 
 
 class ProtocolError(ConnectionError):
@@ -65,4 +73,5 @@ __all__ = [
     "HorovodVersionMismatchError",
     "HostsUpdatedInterrupt",
     "ProtocolError",
+    "UnsupportedOperationError",
 ]

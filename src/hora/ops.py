@@ -26,6 +26,7 @@ import numpy as np
 from hora.collectives.reduce import ADASUM, AVERAGE, MAX, MIN, OP_NAMES, PRODUCT, SUM, DataType, data_type_of
 from hora.engine.handles import Handle
 from hora.engine.messages import RequestType, tensor_label
+from hora.errors import UnsupportedOperationError
 from hora.process_sets import ProcessSet
 from hora.runtime import Runtime
 
@@ -172,9 +173,11 @@ def resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> 
 
 
 def _check_reduce(label: str, op: int, tensor: Tensor, allowed: tuple[int, ...]) -> None:
+    if op not in OP_NAMES:
+        raise ValueError(f"{label}: {op!r} is not a reduce op (use hvd.Average, hvd.Sum, hvd.Min, ...)")
     if op not in allowed:
         names = ", ".join(OP_NAMES[o] for o in allowed)
-        raise ValueError(f"{label}: reduce op {OP_NAMES.get(op, op)} is not supported here (use {names})")
+        raise UnsupportedOperationError(f"{label}: reduce op {OP_NAMES[op]} is not supported here (use {names})")
     if tensor.dtype == DataType.BOOL and op == AVERAGE:
         raise ValueError(f"{label}: Average is not defined for bool tensors (use Sum, Min, Max or Product)")
 
