@@ -179,8 +179,18 @@ def autodiff_job() -> list[str]:
         c.close("size_op of the set", hvd.size_op(pair.process_set_id), 2)
         if inside:
             c.close("allreduce in set", hvd.allreduce(tf.constant([float(me)]), op=hvd.Sum, process_set=pair), [float(n - 1)])
-            got = tf.function(lambda: hvd.broadcast(tf.constant([me]), 1, process_set=pair))()
-            c.close("broadcast in set (root 1 = last rank)", got, [n - 1])
+            # root_rank is a global rank inside a process set too, as in Horovod
+            got = tf.function(lambda: hvd.broadcast(tf.constant([me]), n - 1, process_set=pair))()
+            c.close("broadcast in set (root = the last rank, globally)", got, [n - 1])
+            got = hvd.broadcast(tf.constant([me]), 0, process_set=pair)
+            c.close("eager broadcast in set from global rank 0", got, [0])
+            if n > 2:
+                c.raises("root outside the set", lambda: hvd.broadcast(tf.constant([me]), 1, process_set=pair), ValueError, "global rank")
+            x = tf.Variable([float(me + 1)])
+            with tf.GradientTape() as tape:
+                y = hvd.broadcast(x, n - 1, process_set=pair) * 2.0
+            # the gradient averages over the set and lands on the root alone
+            c.close("broadcast gradient in set", tape.gradient(y, x), [2.0 if me == n - 1 else 0.0])
             grads = distributed(True, process_set=pair)
             pair_mean = [(everyone[0][i] + everyone[n - 1][i]) / 2 for i in range(3)]
             for i, got in enumerate(grads):

@@ -235,6 +235,29 @@ def allgather(
     )
 
 
+def check_root(runtime: Runtime, root_rank: int, process_set: ProcessSet, label: str) -> int:
+    """Checks that ``root_rank``, a global rank as in Horovod, is a member of the set.
+
+    Args:
+        label: what the error names (the op and the tensor).
+
+    Returns:
+        The root as an int.
+
+    Raises:
+        ValueError: this rank is not a member of the set, or the root is not.
+    """
+    sid = set_id(runtime, process_set, label)
+    members = _members(runtime, sid)
+    root = int(root_rank)
+    if root not in members:
+        where = f"size {len(members)}" if sid == 0 else f"ranks {list(members)}"
+        raise ValueError(
+            f"{label}: root_rank {root_rank} is not a rank of the process set ({where}); root_rank is a global rank"
+        )
+    return root
+
+
 def broadcast(
     runtime: Runtime, tensor: Tensor, output: np.ndarray, root_rank: int, name: str, process_set: ProcessSet
 ) -> Handle:
@@ -248,13 +271,7 @@ def broadcast(
     """
     label = tensor_label("broadcast", name)
     sid = set_id(runtime, process_set, label)
-    members = _members(runtime, sid)
-    root = int(root_rank)
-    if root not in members:
-        where = f"size {len(members)}" if sid == 0 else f"ranks {list(members)}"
-        raise ValueError(
-            f"{label}: root_rank {root_rank} is not a rank of the process set ({where}); root_rank is a global rank"
-        )
+    root = check_root(runtime, root_rank, process_set, label)
     return runtime.submit(
         RequestType.BROADCAST, name, tensor.dtype, tensor.data, output, tensor.shape, sid, root_rank=root
     )

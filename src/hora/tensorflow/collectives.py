@@ -32,6 +32,7 @@ from typing import Any
 import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora import ops
+from hora.api import current
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, PRODUCT, SUM
 from hora.compression import Compressor, NoneCompressor
 from hora.process_sets import ProcessSet, global_process_set
@@ -300,10 +301,8 @@ def _broadcast(
 ) -> list[Any]:
     what = "broadcast"
     tensors = _prepare(tensors, process_set, what)
-    size = _set_size(process_set)
-    if not 0 <= int(root_rank) < size:
-        raise ValueError(f"hora.tensorflow.broadcast: root_rank {root_rank} is not a rank of the process set (size {size})")
-    kernel = kernels.broadcast(name, int(root_rank), process_set, grouped)
+    root = ops.check_root(current(), root_rank, process_set, f"hora.tensorflow.{what}")  # a global rank, as in Horovod
+    kernel = kernels.broadcast(name, root, process_set, grouped)
 
     forward = _shaped_like_inputs(kernel, what)
 
@@ -313,7 +312,7 @@ def _broadcast(
         if not wanted:
             return grads
         reduced = _allreduce([dys[i] for i in wanted], None, AVERAGE, 1.0, 1.0, process_set, True)
-        is_root = _set_rank(process_set) == int(root_rank)
+        is_root = current().rank == root
         for i, g in zip(wanted, reduced):
             grads[i] = g if is_root else tf.zeros_like(g)
         return grads
@@ -328,7 +327,7 @@ def broadcast(
     ignore_name_scope: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Returns ``root_rank``'s tensor on every rank (``root_rank`` counts within the set)."""
+    """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank, a member of the set)."""
     return _broadcast([tensor], root_rank, bridge.scoped_name(name, ignore_name_scope), process_set, False)[0]
 
 
