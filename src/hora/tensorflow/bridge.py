@@ -2,10 +2,9 @@
 
 Every collective of ``hora.tensorflow`` is a Python function on *eager* tensors (a
 "kernel"). Eagerly it is called at once. Inside ``tf.function`` (and so in Keras'
-``model.fit``) it becomes one ``tf.py_function`` op, which TensorFlow runs with eager
-tensors in the same process. py_function ops are stateful, so ``tf.function``'s
-automatic control dependencies run them in program order: every rank submits its
-collectives in the same order, which is what hora's engine needs.
+``model.fit``) and TF1 graphs it becomes one ``tf.py_function`` op, which TensorFlow
+runs with eager tensors in the same process. The kernels hand their tensors to the
+core through ``TensorflowAdapter`` and ``hora.binding``, the path every binding shares.
 
 Memory, per direction:
 
@@ -18,6 +17,33 @@ Memory, per direction:
   copied once otherwise. bfloat16 travels as uint16 and is bit-cast back (no copy).
 
 XLA cannot compile a py_function: ``check_not_xla`` raises at trace time with the fix.
+
+Names. Ranks match collectives by name, so every rank must give one collective the
+same name. Eagerly, collectives run in program order, and an unnamed one is numbered
+when it is called (``binding.full_name``). In a graph the order is TensorFlow's: inside
+``tf.function`` its automatic control dependencies run stateful ops (py_functions are)
+in program order, but a TF1 graph under ``Session.run`` or a ``wrap_function`` graph
+runs independent ops in any order, on several threads, and the order differs between
+ranks. So in a graph an unnamed collective's key is drawn when the op is *built*
+(``draw_key``), once per op, and the kernel uses it on every run:
+
+* The key is a name unique in the *root* graph: the outermost graph of the nest of
+  function graphs being built (a ``tf.function``'s own graph, also for the ``tf.cond``
+  branches, loop bodies and nested ``tf.function`` s traced inside it), or a TF1 graph.
+  ``Graph.unique_name`` draws it (``<name scope>/Hora<Op>``, then ``_1``, ``_2``, ...),
+  so it depends only on the ops built before it in that graph, which are the same on
+  every rank: every rank traces the same program. A retrace builds a new root graph
+  and draws the same keys again, whichever rank retraces (one rank may retrace alone,
+  e.g. for a smaller last batch) and however often.
+* A ``tf.function`` root prefixes its function's name (``train_step/...``), so the
+  collectives of two functions have different names (TF1 graphs have no name).
+* An op built in the root graph itself is named exactly its key, so TensorFlow's
+  messages and hora's name the same node.
+
+A name is reused by its op on every run; that is what lets the response cache skip
+negotiation from the second step on. One op must not run twice at once (a
+``tf.function`` called from two threads at once, or overlapping iterations of a loop
+body): the second run's name is in flight and is refused.
 """
 
 from __future__ import annotations
@@ -28,10 +54,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import ops
+from hora import binding, ops
 from hora.api import current
 from hora.collectives.reduce import data_type_of
 from hora.engine.handles import Handle
+from hora.engine.messages import RequestType
 from hora.process_sets import ProcessSet
 
 ALIGNMENT = 64  # bytes; TensorFlow's kernels assume EIGEN_MAX_ALIGN_BYTES-aligned buffers
@@ -85,6 +112,37 @@ def _adopt(array: np.ndarray) -> Any:
     return tf.convert_to_tensor(array)
 
 
+class TensorflowAdapter:
+    """Eager TensorFlow tensors as the core moves them (``binding.Adapter``): read in
+    place, results written into aligned buffers TensorFlow adopts (see Memory)."""
+
+    def stage(self, tensor: Any, writable: bool, what: str) -> tuple[ops.Tensor, Callable[[], Any]]:
+        if writable:  # TensorFlow tensors are immutable: hora.tensorflow never asks
+            raise ValueError(f"{what}: TensorFlow tensors cannot be written in place")
+        try:
+            return view(tensor), lambda: tensor
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: {exc}") from None
+
+    def output(self, tensor: Any, wire: ops.Tensor) -> tuple[np.ndarray, Callable[[], Any]]:
+        out = empty(wire.data.size, wire.data.dtype)
+        return out, lambda: wrap(out, wire.shape, tensor.dtype)
+
+    def wrap(self, array: np.ndarray, like: Any) -> Any:
+        return wrap(array, array.shape, like.dtype)
+
+    def splits(self, splits: Any) -> np.ndarray | None:
+        # An empty splits tensor stands for "split evenly" (a py_function takes no None).
+        array = np.asarray(splits).reshape(-1)
+        return array if array.size else None
+
+    def alltoall_result(self, output: Any, received: np.ndarray, splits_given: bool) -> list[Any]:
+        return [output, tf.constant(np.asarray(received, dtype=np.int32))]
+
+
+ADAPTER = TensorflowAdapter()
+
+
 def check_dtype(tensor: Any, what: str) -> None:
     """Raises ValueError at once (also while tracing) for a dtype hora cannot move."""
     try:
@@ -115,16 +173,99 @@ def scoped_name(name: str | None, ignore_name_scope: bool) -> str | None:
     return f"{scope}/{name}" if scope else name
 
 
+def _root(graph: Any) -> Any:
+    """The outermost graph of the nest of function graphs that ``graph`` belongs to."""
+    while graph.building_function:
+        outer = getattr(graph, "outer_graph", None)
+        if outer is None or not outer.building_function:
+            break
+        graph = outer
+    return graph
+
+
+def draw_key(what: str) -> tuple[str, str]:
+    """Draws the key of a collective op about to be built in the default graph.
+
+    See the module's "Names": a name unique in the root graph, prefixed with the root
+    function's name. Call once per op, while building it.
+
+    Returns:
+        The key, and the name to build the op under: exactly the key when the op is
+        built in the root graph itself (a trailing ``/`` tells TensorFlow to take the
+        name as it is), else ``Hora<Op>`` for TensorFlow to make unique in its graph.
+    """
+    from tensorflow.python.framework import ops as tf_ops
+
+    graph = tf_ops.get_default_graph()
+    root = _root(graph)
+    base = f"Hora{_camel(what)}"
+    reserved = root.unique_name(base)  # marks it used: no later op or key of the root takes it
+    prefix = f"{root.name}/" if root.building_function else ""
+    return prefix + reserved, (f"{reserved}/" if graph is root else base)
+
+
+def check_traced(
+    checks: Callable[[], None],
+    kind: RequestType,
+    what: str,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+    count: int,
+) -> None:
+    """While a graph is built, runs the checks of this rank's inputs to a collective op.
+
+    A failure fails the trace here, at once, and is also sent to the coordinator under
+    the names the op would have had (its key drawn as ``run`` would draw it), so the
+    other ranks, which built the op, fail it on its first run instead of waiting for
+    this rank. Eagerly nothing runs here: the kernel runs now, and the binding core
+    checks the same things and tells the others (``ops.refusal``).
+
+    Args:
+        checks: raises what is wrong with this rank's inputs.
+        kind: the collective's request type.
+        what: the op as ``run`` gets it (``allreduce``, ``grouped_allgather``, ...).
+        name: the name the program gave, or None.
+        grouped: the op takes a list of tensors (``broadcast_`` too).
+        count: how many tensors the op takes.
+
+    Raises:
+        Exception: what ``checks`` raised.
+    """
+    if tf.executing_eagerly():
+        return
+    try:
+        checks()
+    except Exception:
+        key, _ = draw_key(what)
+        runtime = current()
+        op = what.removeprefix("grouped_")
+        _, names, group = binding.call_names(
+            runtime, op, name, process_set, grouped, count, key, wire_group=kind != RequestType.BROADCAST
+        )
+        with ops.refusal(runtime, kind, names, process_set, group):
+            raise
+
+
 def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: str) -> list[Any]:
-    """Runs ``kernel`` on ``inputs``: at once when eager, else as one py_function op.
+    """Runs ``kernel(key, *inputs)``: at once when eager, else as one py_function op.
+
+    The kernel gets the key of its unnamed collective: None when eager (the binding
+    numbers it now), else the one drawn here while the op is built (``draw_key``),
+    the same on every run.
 
     Returns:
         The kernel's outputs as a list (static shapes are the caller's to set).
     """
     if tf.executing_eagerly():
-        return list(kernel(*inputs))
+        return list(kernel(None, *inputs))
     check_not_xla(what)
-    outputs = tf.py_function(kernel, list(inputs), list(out_dtypes), name=f"Hora{_camel(what)}")
+    key, op_name = draw_key(what)
+
+    def body(*tensors: Any) -> Any:
+        return kernel(key, *tensors)
+
+    outputs = tf.py_function(body, list(inputs), list(out_dtypes), name=op_name)
     return [] if outputs is None else list(outputs)
 
 

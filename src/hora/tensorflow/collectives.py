@@ -1,8 +1,12 @@
 """Horovod's TensorFlow collectives, eager and inside ``tf.function``, with gradients.
 
-Each function here checks what it can at once (dtype, process-set membership; also
-while tracing), runs its kernel (``kernels.py``) through ``bridge.run``, sets the
+Each function here checks its arguments at once (process-set membership, the op;
+also while tracing), runs its kernel (``kernels.py``) through ``bridge.run``, sets the
 static shapes TensorFlow needs, and registers a gradient with ``tf.custom_gradient``.
+What depends on this rank's inputs (dtype, rank, the root) is checked so that one
+rank's failure fails the collective on every rank: eagerly by the binding core when
+the kernel runs, and while a graph is built here, failing the trace at once and the
+op's first run on the other ranks (``_prepare``, ``bridge.check_traced``).
 
 Gradients follow Horovod's (each is itself a collective, so every rank must compute
 them in the same order, which the same training step does):
@@ -35,6 +39,8 @@ from hora import ops
 from hora.api import current
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, PRODUCT, SUM
 from hora.compression import Compressor, NoneCompressor
+from hora.engine.messages import RequestType
+from hora.errors import UnsupportedOperationError
 from hora.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge, kernels
 from hora.tensorflow.compression import for_tensorflow
@@ -78,12 +84,43 @@ def _shaped_like_inputs(kernel: Any, what: str) -> Callable[..., list[Any]]:
     return forward
 
 
-def _prepare(tensors: Sequence[Any], process_set: ProcessSet, what: str) -> list[Any]:
+def _prepare(
+    tensors: Sequence[Any],
+    process_set: ProcessSet,
+    what: str,
+    kind: RequestType,
+    name: str | None,
+    grouped: bool,
+    more: Callable[[list[Any]], None] | None = None,
+) -> list[Any]:
+    """Converts a collective's inputs and checks them.
+
+    Membership of the set is checked at once (a rank outside it has nobody waiting for
+    it). What depends on this rank's inputs (dtypes, and ``more``) is checked while a
+    graph is built, failing the op on every rank (``bridge.check_traced``); eagerly the
+    binding core checks it when the kernel runs, with the same effect.
+    """
     converted = [tf.convert_to_tensor(t) for t in tensors]
-    for tensor in converted:
-        bridge.check_dtype(tensor, what)
     bridge.check_member(process_set, what)
+
+    def checks() -> None:
+        for tensor in converted:
+            bridge.check_dtype(tensor, what)
+        if more is not None:
+            more(converted)
+
+    bridge.check_traced(checks, kind, what, name, process_set, grouped, len(converted))
     return converted
+
+
+def _not_scalar(what: str, needs: str) -> Callable[[list[Any]], None]:
+    """A ``_prepare`` check: every input has at least one dimension."""
+
+    def check(tensors: list[Any]) -> None:
+        if any(t.shape.rank == 0 for t in tensors):
+            raise ValueError(f"hora.tensorflow.{what}: {needs} needs a tensor with at least one dimension; got a scalar")
+
+    return check
 
 
 def _set_size(process_set: ProcessSet) -> int:
@@ -107,7 +144,8 @@ def _allreduce(
     grouped: bool,
 ) -> list[Any]:
     what = "grouped_allreduce" if grouped else "allreduce"
-    tensors = _prepare(tensors, process_set, what)
+    kind = RequestType.ADASUM if op == ADASUM else RequestType.ALLREDUCE
+    tensors = _prepare(tensors, process_set, what, kind, name, grouped)
     if op not in OP_NAMES:
         raise ValueError(f"hora.tensorflow.{what}: unknown reduce op {op}")
     if op == ADASUM:  # checked here too, so that tracing fails rather than the first step
@@ -243,10 +281,7 @@ def grouped_allreduce(
 
 def _allgather(tensors: Sequence[Any], name: str | None, process_set: ProcessSet, grouped: bool) -> list[Any]:
     what = "grouped_allgather" if grouped else "allgather"
-    tensors = _prepare(tensors, process_set, what)
-    for tensor in tensors:
-        if tensor.shape.rank == 0:
-            raise ValueError(f"hora.tensorflow.{what}: allgather needs a tensor with at least one dimension; got a scalar")
+    tensors = _prepare(tensors, process_set, what, RequestType.ALLGATHER, name, grouped, _not_scalar(what, "allgather"))
     kernel = kernels.allgather(name, process_set, grouped)
     size = _set_size(process_set)
 
@@ -300,8 +335,12 @@ def _broadcast(
     tensors: Sequence[Any], root_rank: int, name: str | None, process_set: ProcessSet, grouped: bool
 ) -> list[Any]:
     what = "broadcast"
-    tensors = _prepare(tensors, process_set, what)
-    root = ops.check_root(current(), root_rank, process_set, f"hora.tensorflow.{what}")  # a global rank, as in Horovod
+    root = int(root_rank)  # a global rank, as in Horovod
+
+    def root_is_member(_: list[Any]) -> None:
+        ops.check_root(current(), root, process_set, f"hora.tensorflow.{what}")
+
+    tensors = _prepare(tensors, process_set, what, RequestType.BROADCAST, name, grouped, root_is_member)
     kernel = kernels.broadcast(name, root, process_set, grouped)
 
     forward = _shaped_like_inputs(kernel, what)
@@ -367,13 +406,16 @@ def alltoall(
         The received rows in rank order; with ``splits`` given, a tuple of (received
         rows, int32 tensor of rows received from each rank).
     """
-    (tensor,) = _prepare([tensor], process_set, "alltoall")
-    if tensor.shape.rank == 0:
-        raise ValueError("hora.tensorflow.alltoall: alltoall needs a tensor with at least one dimension; got a scalar")
+    name = bridge.scoped_name(name, ignore_name_scope)
     split_tensor = tf.constant([], dtype=tf.int32) if splits is None else tf.convert_to_tensor(splits)
-    if not split_tensor.dtype.is_integer:
-        raise ValueError(f"hora.tensorflow.alltoall: splits must be integers; got {split_tensor.dtype.name}")
-    kernel = kernels.alltoall(bridge.scoped_name(name, ignore_name_scope), process_set)
+
+    def checks(tensors: list[Any]) -> None:
+        _not_scalar("alltoall", "alltoall")(tensors)
+        if not split_tensor.dtype.is_integer:
+            raise ValueError(f"hora.tensorflow.alltoall: splits must be integers; got {split_tensor.dtype.name}")
+
+    (tensor,) = _prepare([tensor], process_set, "alltoall", RequestType.ALLTOALL, name, False, checks)
+    kernel = kernels.alltoall(name, process_set)
     size = _set_size(process_set)
 
     def forward(x: Any, s: Any) -> list[Any]:
@@ -407,12 +449,13 @@ def _reducescatter(
     grouped: bool,
 ) -> list[Any]:
     what = "grouped_reducescatter" if grouped else "reducescatter"
-    tensors = _prepare(tensors, process_set, what)
-    if op not in (AVERAGE, SUM):
-        raise ValueError(f"hora.tensorflow.{what}: reduce op {OP_NAMES.get(op, op)} is not supported (use Average or Sum)")
-    for tensor in tensors:
-        if tensor.shape.rank == 0:
-            raise ValueError(f"hora.tensorflow.{what}: reducescatter needs at least one dimension; got a scalar")
+    if op not in OP_NAMES:
+        raise ValueError(f"hora.tensorflow.{what}: {op!r} is not a reduce op (use hvd.Average or hvd.Sum)")
+    if op not in (AVERAGE, SUM):  # Horovod's reducescatter has Average and Sum alone
+        raise UnsupportedOperationError(f"hora.tensorflow.{what}: reduce op {OP_NAMES[op]} is not supported (use Average or Sum)")
+    tensors = _prepare(
+        tensors, process_set, what, RequestType.REDUCESCATTER, name, grouped, _not_scalar(what, "reducescatter")
+    )
     kernel = kernels.reducescatter(name, op, prescale, postscale, process_set, grouped)
     size, me = _set_size(process_set), _set_rank(process_set)
 

@@ -1,0 +1,197 @@
+"""TensorFlow graphs whose collectives every rank names alike, whatever order they run in.
+
+In a TF1 graph under ``Session.run`` TensorFlow runs independent ops in any order, on
+several threads, and the order differs between ranks; so hora names an unnamed
+collective when its op is built, not when it runs. The jobs here build graphs of
+collectives with no data dependencies between them, feed each through a local delay
+that differs per rank and per run (so the ranks run them in different orders), and run
+them many times: eagerly, inside ``tf.function`` and in a ``tf.compat.v1.Session``,
+including grouped allreduce/allgather and their gradients. Every result is compared
+with the same computation done eagerly, where collectives run in program order.
+
+Also here: a check that fails on one rank only, inside a group or while a graph is
+built, fails the collective on every rank (nothing of the group stays in flight), and
+the job goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+from test_tensorflow_ops import TF_ENV, Checks, start
+
+# Session runs per job: with a fresh order of delays on every run, an order-dependent
+# name fails within the first few runs (it failed on the first before names were drawn
+# when ops are built).
+SESSION_RUNS = 40
+FUNCTION_RUNS = 10
+INTER_OP_THREADS = 32  # each waiting collective holds one (docs/tensorflow.md)
+
+
+def _values(i: int, rank: int, n: int) -> np.ndarray:
+    """Input ``i`` of ``rank``: its own shape per input, so a swapped name cannot pass."""
+    rows = 2 * n if i == 7 else (n if i == 8 else i + 1)
+    return (np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + 10 * i) * (rank + 1)
+
+
+def _build(tf: Any, hvd: Any, inputs: list[Any]) -> list[Any]:
+    """Nine independent collectives and the gradients of the grouped ones."""
+    n = hvd.size()
+    x = inputs
+    outs = [
+        hvd.allreduce(x[0]),
+        hvd.allreduce(x[1], op=hvd.Sum),
+        hvd.allgather(x[2]),
+        hvd.broadcast(x[3], root_rank=n - 1),
+    ]
+    grouped_sum = hvd.grouped_allreduce([x[4], x[5]], op=hvd.Sum)
+    gathered = hvd.grouped_allgather([x[5], x[6]])
+    outs += grouped_sum + gathered
+    outs.append(hvd.reducescatter(x[7], op=hvd.Sum))
+    outs.append(hvd.alltoall(x[8]))
+    return outs
+
+
+def _grads(tf: Any, hvd: Any, inputs: list[Any], tape: Any = None) -> list[Any]:
+    """Gradients through the grouped collectives: built in program order on every rank."""
+    grouped_sum = hvd.grouped_allreduce([inputs[4], inputs[5]], op=hvd.Sum)
+    gathered = hvd.grouped_allgather([inputs[5], inputs[6]])
+    loss = sum(tf.reduce_sum(t * (i + 1.0)) for i, t in enumerate(grouped_sum + gathered))
+    targets = [inputs[4], inputs[5], inputs[6]]
+    return list(tape.gradient(loss, targets) if tape is not None else tf.gradients(loss, targets))
+
+
+def graphs_job() -> list[str]:
+    import time
+
+    tf, hvd = start()
+    c = Checks()
+    me, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(1000 + me)
+    arrays = [_values(i, me, n) for i in range(9)]
+
+    # The reference: eagerly, in program order.
+    constants = [tf.constant(a) for a in arrays]
+    want = [t.numpy() for t in _build(tf, hvd, constants)]
+    with tf.GradientTape() as tape:
+        tape.watch(constants)
+        want_grads = [g.numpy() for g in _grads(tf, hvd, constants, tape)]
+    c.close("reference allgather", want[2], np.concatenate([_values(2, r, n) for r in range(n)]))
+    c.close("reference broadcast", want[3], _values(3, n - 1, n))
+
+    def delayed(a: np.ndarray) -> Any:
+        """``a``, after a local sleep that differs per rank and per run."""
+
+        def sleep(t: Any) -> Any:
+            time.sleep(float(rng.uniform(0.0, 0.004)))
+            return t
+
+        out = tf.py_function(sleep, [tf.constant(a)], tf.float32)
+        out.set_shape(a.shape)
+        return out
+
+    def check(mode: str, run: int, got: list[Any], grads: list[Any]) -> None:
+        for i, (g, w) in enumerate(zip(got, want)):
+            c.close(f"{mode} run {run} output {i}", g, w)
+        for i, (g, w) in enumerate(zip(grads, want_grads)):
+            c.close(f"{mode} run {run} gradient {i}", g, w)
+
+    # Eagerly, several times (names numbered as called).
+    for run in range(3):
+        inputs = [delayed(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            grads = _grads(tf, hvd, inputs, tape)
+        check("eager", run, _build(tf, hvd, inputs), grads)
+
+    # Inside tf.function (traced once, run many times).
+    @tf.function
+    def step() -> tuple[list[Any], list[Any]]:
+        inputs = [delayed(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            grads = _grads(tf, hvd, inputs, tape)
+        return _build(tf, hvd, inputs), grads
+
+    for run in range(FUNCTION_RUNS):
+        got, grads = step()
+        check("tf.function", run, got, grads)
+
+    # A TF1 graph under Session.run, many threads: independent ops in any order.
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = [delayed(a) for a in arrays]
+        outs = _build(tf, hvd, inputs)
+        grad_ops = _grads(tf, hvd, inputs)
+        config = tf.compat.v1.ConfigProto(
+            inter_op_parallelism_threads=INTER_OP_THREADS, intra_op_parallelism_threads=1
+        )
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            for run in range(SESSION_RUNS):
+                got, grads = session.run([outs, grad_ops])
+                check("session", run, got, grads)
+                if c.problems:
+                    break
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(400)
+def test_graph_collectives_agree_whatever_order_ranks_run_them(size: int) -> None:
+    results = run_ranks(size, graphs_job, timeout=380, env=TF_ENV)
+    for rank, problems in enumerate(results):
+        assert not problems, f"rank {rank}: {problems[:8]}"
+
+
+def one_sided_job(culprit: int) -> dict[str, str]:
+    tf, hvd = start()
+    me, n = hvd.rank(), hvd.size()
+    outcomes: dict[str, str] = {}
+
+    def outcome(case: str, call: Any) -> None:
+        try:
+            call()
+            outcomes[case] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the kind and the message are what the test checks
+            outcomes[case] = f"{type(exc).__name__}: {exc}"
+
+    # Eagerly: one member of a group has a dtype hora cannot move on the culprit alone.
+    def bad_group() -> None:
+        second = tf.constant(["a", "b"]) if me == culprit else tf.constant([1.0, 2.0])
+        hvd.grouped_allreduce([tf.constant([1.0, 2.0]), second], name="g")
+
+    outcome("eager group", bad_group)
+
+    # While tracing: the culprit's trace fails, the others' op fails on its first run.
+    @tf.function
+    def traced() -> list[Any]:
+        second = tf.constant(3.0) if me == culprit else tf.constant([3.0])
+        return hvd.grouped_allgather([tf.constant([1.0]), second])
+
+    outcome("traced group", traced)
+
+    # The job goes on: nothing of either group is in flight.
+    total = hvd.allreduce(tf.constant([float(me)]), op=hvd.Sum, name="after")
+    outcomes["after"] = str(total.numpy().tolist())
+    outcomes["expected after"] = str([float(sum(range(n)))])
+    hvd.shutdown()
+    return outcomes
+
+
+@pytest.mark.parametrize("size, culprit", [(2, 1), (3, 0)], ids=["np2", "np3"])
+@pytest.mark.timeout(200)
+def test_a_check_one_rank_fails_ends_the_group_on_every_rank(size: int, culprit: int) -> None:
+    results = run_ranks(size, one_sided_job, culprit, timeout=180, env=TF_ENV)
+    for rank, got in enumerate(results):
+        assert got["after"] == got["expected after"], (rank, got)
+        for case in ("eager group", "traced group"):
+            assert got[case] != "no error", (rank, case, got)
+            if rank != culprit:
+                assert f"refused by rank {culprit}" in got[case], (rank, case, got[case])
+    assert "grouped_allreduce" in results[culprit]["eager group"], results[culprit]
+    assert "scalar" in results[culprit]["traced group"], results[culprit]
