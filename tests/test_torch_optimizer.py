@@ -255,7 +255,7 @@ def test_optimizer_behaviour():
         assert out["duplicates"] == "Parameter names in named_parameters must be unique. Found duplicates: a"
         assert out["unnamed"].startswith("named_parameters was specified, but one or more model parameters were not named.")
         assert out["not tuples"].startswith("named_parameters should be a sequence of tuples (name, parameter)")
-        assert "backward_passes_per_step must be a positive integer" in out["passes"]
+        assert "backward_passes_per_step must be > 0" in out["passes"]  # Horovod's words
         assert out["predivide"] == "gradient_predivide_factor not supported with op != Average"
         assert out["groups"] == "groups should be a non-negative integer or a list of list of torch.Tensor."
         assert out["groups tensors"] == "groups must consist of torch.Tensor."
@@ -431,3 +431,79 @@ def test_broadcast_optimizer_state_round_trips_every_optimizer(size):
             assert mine == roots, f"rank {rank} {key}: state differs from the root's"
             if key[1:] == ("root has state",):
                 assert mine["state"] != {}, f"rank {rank} {key}: the root's state did not arrive"
+
+
+def side_effects_job() -> dict:
+    """What Horovod programs and integrations observe besides the results."""
+    import hora.torch as hvd
+
+    setup_rank()
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    out: dict = {}
+    # broadcast_optimizer_state on a fresh optimizer: zero gradients stay (Horovod's
+    # initialisation step), values do not move (hora restores them after that step).
+    torch.manual_seed(me)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].bias.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * (me + 1), momentum=0.9, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(optimizer, root_rank=n - 1, model=model)
+    out["grads"] = [None if p.grad is None else (tuple(p.grad.shape), p.grad.abs().sum().item()) for p in model.parameters()]
+    out["values kept"] = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    out["lr"] = optimizer.param_groups[0]["lr"]
+    # A rank whose state has the root's structure receives it in place.
+    buffer = optimizer.state[model[1].weight]["momentum_buffer"]
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    out["in place"] = optimizer.state[model[1].weight]["momentum_buffer"] is buffer
+
+    # The wrapped optimizer's attributes, with Horovod's meaning.
+    layer = torch.nn.Linear(3, 2)
+    wrapped = hvd.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1), named_parameters=layer.named_parameters(), backward_passes_per_step=2
+    )
+    names = dict(layer.named_parameters())
+    out["_parameter_names"] = sorted(wrapped._parameter_names.values())
+    out["names keyed by parameter"] = all(wrapped._parameter_names[p] == k for k, p in names.items())
+    out["_requires_update"] = {id(p) for p in wrapped._requires_update} == {id(p) for p in layer.parameters()}
+    out["_grad_accs"] = len(wrapped._grad_accs)
+    out["delay at start"] = sorted(wrapped._allreduce_delay.values())
+    layer(torch.ones(1, 3)).sum().backward()
+    out["delay after one pass"] = sorted(wrapped._allreduce_delay.values())
+    out["handles after one pass"] = sorted(
+        (wrapped._parameter_names[p], entry) for p, entry in wrapped._handles.items()
+    )
+    layer(torch.ones(1, 3)).sum().backward()
+    out["handles started"] = sorted(
+        (wrapped._parameter_names[p], entry[0] is not None) for p, entry in wrapped._handles.items()
+    )
+    grad = layer.weight.grad
+    wrapped.synchronize()
+    out["after synchronize"] = (wrapped._synchronized, len(wrapped._handles), sorted(wrapped._allreduce_delay.values()))
+    out["same grad object"] = layer.weight.grad is grad
+    with wrapped.skip_synchronize():
+        out["inside skip"] = wrapped._should_synchronize
+        wrapped.step()
+    out["after step"] = (wrapped._synchronized, wrapped._should_synchronize, wrapped.backward_passes_per_step)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(120)
+def test_side_effects_and_attributes_are_horovods(size):
+    for rank, out in enumerate(run_ranks(size, side_effects_job, timeout=100)):
+        assert out["grads"] == [((3, 4), 0.0), None, ((2, 3), 0.0), ((2,), 0.0)], (rank, out["grads"])
+        assert out["values kept"], rank
+        assert out["lr"] == pytest.approx(0.1 * size), rank
+        assert out["in place"], rank
+        assert out["_parameter_names"] == ["bias", "weight"]
+        assert out["names keyed by parameter"] and out["_requires_update"]
+        assert out["_grad_accs"] == 2
+        assert out["delay at start"] == [2, 2] and out["delay after one pass"] == [1, 1]
+        assert out["handles after one pass"] == [("bias", (None, None)), ("weight", (None, None))]
+        assert out["handles started"] == [("bias", True), ("weight", True)]
+        assert out["after synchronize"] == (True, 0, [2, 2])
+        assert out["same grad object"]
+        assert out["inside skip"] is False
+        assert out["after step"] == (False, True, 2)

@@ -11,12 +11,11 @@ so the learning rate need not be scaled with the number of ranks.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterable
+from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from hora.api import synchronize
 from hora.collectives.reduce import ADASUM
@@ -25,18 +24,34 @@ from hora.torch.collectives import allreduce_async_
 from hora.torch.wrapper import (
     _TOO_MANY_PASSES,
     _ZERO_GRAD_MISUSE,
+    Handle,
     WrappedOptimizer,
-    _check_passes,
-    _hook_for,
-    _Names,
-    _register_hook,
-    _remove_hooks,
+    _check_gradient,
     _trainable,
 )
 
+_NO_SKIP = "Skipping synchronization is not supported when using Adasum optimizer."
+
+
+class _RefusedContext(contextlib.AbstractContextManager[None]):
+    """What Adasum's ``skip_synchronize()`` returns: entering it raises, as Horovod's does."""
+
+    def __enter__(self) -> None:
+        raise AssertionError(_NO_SKIP)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        return None
+
 
 class _DistributedAdasumOptimizer(WrappedOptimizer):
-    """Adasum of per-rank weight changes around a wrapped optimizer (see ``DistributedOptimizer``)."""
+    """Adasum of per-rank weight changes around a wrapped optimizer (see ``DistributedOptimizer``).
+
+    Besides the attributes every wrapper has (``WrappedOptimizer``; ``_handles`` is keyed
+    by parameter), it has Horovod's ``_starting_models``: ``{parameter: its value before
+    this step's local update}``.
+    """
 
     def __init__(
         self,
@@ -45,66 +60,61 @@ class _DistributedAdasumOptimizer(WrappedOptimizer):
         compression: type[Compressor],
         backward_passes_per_step: int,
     ) -> None:
-        super().__init__(optimizer)
-        self._names = _Names(optimizer, named_parameters)
-        self._compression = compression
-        self.backward_passes_per_step = _check_passes(backward_passes_per_step)
-        self._start: dict[torch.Tensor, torch.Tensor] = {}
-        self._delay: dict[torch.Tensor, int] = {}
-        self._params: list[torch.Tensor] = []
-        # Invariant: a parameter is a key of _handles from its first hook of a step until
-        # step(); its value is None until its delta's allreduce is launched.
-        self._handles: dict[torch.Tensor, tuple[int, torch.Tensor, Any] | None] = {}
-        self._hooks: list[RemovableHandle] = []
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        super().__init__(optimizer, named_parameters, compression, backward_passes_per_step)
+        self._starting_models: dict[torch.Tensor, torch.Tensor] = {
+            p: torch.zeros_like(p, requires_grad=False) for p in self._parameter_names
+        }
+        self._params: list[torch.Tensor] = []  # the reduced parameters, in the same order on every rank
         self._register(_trainable(optimizer))
 
     def _register(self, params: list[torch.Tensor]) -> None:
         for p in params:
-            if p in self._delay:
+            if p in self._requires_update:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._params.append(p)
-            self._start[p] = torch.zeros_like(p, requires_grad=False)
-            self._delay[p] = self.backward_passes_per_step
-            self._hooks.append(_register_hook(p, _hook_for(self, p)))
+            self._starting_models.setdefault(p, torch.zeros_like(p, requires_grad=False))
+            self._watch(p)
 
     def _on_new_params(self, params: list[torch.Tensor]) -> None:
-        self._names.add(self._optimizer, params)
         self._register([p for p in params if p.requires_grad])
 
     def _reset(self) -> None:
         # Deltas already in flight run on every rank: apply them, so parameters are weights again.
-        launched = {p: h for p, h in self._handles.items() if h is not None}
+        launched = {p: entry for p, entry in self._handles.items() if entry[0] is not None}
         self._handles.clear()
-        for p, launched_delta in launched.items():
-            self._apply(p, launched_delta)
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        for p, (handle, ctx) in launched.items():
+            self._apply(p, handle, ctx)
+        self._reset_delays()
 
-    def _apply(self, p: torch.Tensor, launched: tuple[int, torch.Tensor, Any]) -> None:
+    def _apply(self, p: torch.Tensor, handle: Handle, ctx: Any) -> None:
         """Waits for the combined delta and sets ``p = start + delta``."""
-        handle, _, ctx = launched
         delta = self._compression.decompress(synchronize(handle), ctx)
-        start = self._start[p]
+        start = self._starting_models[p]
         start.add_(delta)
         p.data.copy_(start)
 
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = _check_passes(passes)
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self._delay[p] -= 1
-        self._handles[p] = self._launch(p) if self._delay[p] == 0 else None
+        """Counts one backward pass of ``p``; steps it and starts the Adasum of its change on the last.
 
-    def _launch(self, p: torch.Tensor) -> tuple[int, torch.Tensor, Any]:
-        """Steps the wrapped optimizer on ``p`` alone and starts the Adasum of the change."""
-        start = self._start[p]
+        Raises:
+            AssertionError: the gradient requires grad, or more backward passes than
+                ``backward_passes_per_step`` before ``step()`` (Horovod's assertions).
+        """
+        _check_gradient(p)
+        if self._allreduce_delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        self._handles[p] = self._launch(p) if self._allreduce_delay[p] == 0 else (None, None)
+
+    def _launch(self, p: torch.Tensor) -> tuple[Handle, Any]:
+        """Steps the wrapped optimizer on ``p`` alone and starts the Adasum of the change.
+
+        Returns:
+            ``(handle, compression context)``, as ``_handles`` holds them.
+        """
+        start = self._starting_models[p]
         stashed = [group["params"] for group in self._optimizer.param_groups]
         try:
             for group in self._optimizer.param_groups:
@@ -116,8 +126,7 @@ class _DistributedAdasumOptimizer(WrappedOptimizer):
                 group["params"] = params
         p.data.sub_(start)  # p now holds this rank's delta
         compressed, ctx = self._compression.compress(p.data)
-        handle = allreduce_async_(compressed, name=self._names[p], op=ADASUM)
-        return handle, compressed, ctx
+        return allreduce_async_(compressed, name=self._parameter_names[p], op=ADASUM), ctx
 
     def synchronize(self) -> None:
         """Nothing to do: the Adasum optimizer combines weight changes in ``step()``."""
@@ -125,26 +134,25 @@ class _DistributedAdasumOptimizer(WrappedOptimizer):
     def skip_synchronize(self) -> contextlib.AbstractContextManager[None]:
         """Not supported: Adasum combines weight changes, not gradients, inside ``step()``.
 
-        Raises:
-            AssertionError: always (as in Horovod).
+        Returns:
+            A context manager whose entry raises ``AssertionError`` (as Horovod's does).
         """
-        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+        return _RefusedContext()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finishes every parameter's local step and Adasum; returns the closure's loss, if any."""
         loss = closure() if closure is not None else None
-        for p in self._params:  # the same order on every rank
-            if self._handles.get(p) is None:
-                self._handles[p] = self._launch(p)
         try:
+            for p in self._params:  # the same order on every rank
+                launched = self._handles.get(p)
+                if launched is None or launched[0] is None:
+                    self._handles[p] = self._launch(p)
             for p in self._params:
-                launched = self._handles[p]
-                assert launched is not None  # invariant: launched above
-                self._apply(p, launched)
+                handle, ctx = self._handles[p]
+                self._apply(p, handle, ctx)
         finally:
             self._handles.clear()
-            for p in self._delay:
-                self._delay[p] = self.backward_passes_per_step
+            self._reset_delays()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from hora.api import broadcast_object, size, synchronize
 from hora.collectives.reduce import ADASUM, AVERAGE
@@ -33,12 +31,9 @@ from hora.torch.collectives import allreduce_async_, grouped_allreduce_async_, s
 from hora.torch.wrapper import (
     _TOO_MANY_PASSES,
     _ZERO_GRAD_MISUSE,
+    Handle,
     WrappedOptimizer,
-    _check_passes,
-    _hook_for,
-    _Names,
-    _register_hook,
-    _remove_hooks,
+    _check_gradient,
     _trainable,
 )
 
@@ -46,16 +41,20 @@ Unit = tuple[torch.Tensor, ...]
 """The parameters whose gradients travel in one collective: one parameter, or one group."""
 
 
-class _Pending:
-    """One launched collective: how to wait for it and where its results go."""
-
-    def __init__(self, wait: Callable[[], list[torch.Tensor]], finish: Callable[[list[torch.Tensor]], None]) -> None:
-        self.wait = wait
-        self.finish = finish
+def _wait(handle: Handle) -> Any:
+    """The result of a launched collective: ``synchronize`` for a handle, a call for a callable one."""
+    return handle() if callable(handle) else synchronize(handle)
 
 
 class _DistributedOptimizer(WrappedOptimizer):
-    """Gradient allreduce around a wrapped optimizer (see ``DistributedOptimizer``)."""
+    """Gradient allreduce around a wrapped optimizer (see ``DistributedOptimizer``).
+
+    Besides the attributes every wrapper has (``WrappedOptimizer``), it has Horovod's
+    ``op``, ``gradient_predivide_factor``, ``sparse_as_dense``, ``process_set``,
+    ``_groups`` (the ``groups`` argument, or ``num_groups``), ``_p_to_group``
+    (``{parameter: its group}``) and ``_group_counts`` (``{group: gradients ready}``),
+    the last two filled only with ``groups``.
+    """
 
     def __init__(
         self,
@@ -69,26 +68,17 @@ class _DistributedOptimizer(WrappedOptimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        super().__init__(optimizer)
-        self._names = _Names(optimizer, named_parameters)
-        self._compression = compression
-        self.backward_passes_per_step = _check_passes(backward_passes_per_step)
+        super().__init__(optimizer, named_parameters, compression, backward_passes_per_step)
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._groups = _check_groups(groups)
-        self._delay: dict[torch.Tensor, int] = {}
-        self._units: list[Unit] = []  # in the same order on every rank
-        self._unit_of: dict[torch.Tensor, int] = {}  # parameter -> index in _units
-        self._ready: list[int] = []  # per unit: gradients ready this step
-        # Invariant: a unit's index is a key of _handles from the first hook of a step until
-        # synchronize(); its value is None until its collective is launched.
-        self._handles: dict[int, _Pending | None] = {}
-        self._synchronized = False
-        self._should_synchronize = True
-        self._hooks: list[RemovableHandle] = []
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._p_to_group: dict[torch.Tensor, Unit] = {}
+        self._group_counts: dict[Unit, int] = {}
+        # Every reduced parameter in exactly one unit; the same units in the same order on
+        # every rank, so synchronize() launches what is missing in one order everywhere.
+        self._units: list[Unit] = []
         self._active = bool(process_set.included()) and ((size() > 1) or os.environ.get("HOROVOD_ELASTIC") == "1")
         if self._active:
             self._register(_trainable(optimizer))
@@ -96,31 +86,30 @@ class _DistributedOptimizer(WrappedOptimizer):
     # ----- set-up -----
 
     def _register(self, params: list[torch.Tensor]) -> None:
-        known = {id(q) for q in self._delay}
-        params = [p for p in params if id(p) not in known]
+        params = [p for p in params if p not in self._requires_update]
         if not params:
             return
         if self._groups is None:
             units: list[Unit] = [(p,) for p in params]
         else:
             units = self._form_groups(params)
-        for unit in units:
-            for p in unit:
-                self._unit_of[p] = len(self._units)
-            self._units.append(unit)
-            self._ready.append(0)
+            for unit in units:
+                for p in unit:
+                    self._p_to_group[p] = unit
+                self._group_counts[unit] = 0
+        self._units.extend(units)
         for p in params:
-            self._delay[p] = self.backward_passes_per_step
-            self._hooks.append(_register_hook(p, _hook_for(self, p)))
+            self._watch(p)
 
     def _form_groups(self, params: list[torch.Tensor]) -> list[Unit]:
         # Every rank orders the parameters as rank 0 does, so groups match across ranks.
-        order = broadcast_object([self._names[p] for p in params], root_rank=0, process_set=self.process_set)
+        names = self._parameter_names
+        order = broadcast_object([names[p] for p in params], root_rank=0, process_set=self.process_set)
         position = {name: i for i, name in enumerate(order)}
-        missing = [self._names[p] for p in params if self._names[p] not in position]
+        missing = [names[p] for p in params if names[p] not in position]
         if missing:
             raise ValueError(f"DistributedOptimizer groups: parameters {missing} are not named on rank 0")
-        params = sorted(params, key=lambda p: position[self._names[p]])
+        params = sorted(params, key=lambda p: position[names[p]])
         if isinstance(self._groups, list):
             ids = {id(p) for p in params}
             units = [tuple(p for p in group if id(p) in ids) for group in self._groups]
@@ -131,44 +120,47 @@ class _DistributedOptimizer(WrappedOptimizer):
         return [unit for unit in units if unit]
 
     def _on_new_params(self, params: list[torch.Tensor]) -> None:
-        self._names.add(self._optimizer, params)
         if self._active:
             self._register([p for p in params if p.requires_grad])
 
     def _reset(self) -> None:
         # Allreduces already started run on every rank: let them finish, so their names are free.
-        launched = [pending for pending in self._handles.values() if pending is not None]
+        launched = [handle for handle, _ in self._handles.values() if handle is not None]
         self._handles.clear()
-        for pending in launched:
-            pending.wait()
+        for handle in launched:
+            _wait(handle)
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        self._ready = [0] * len(self._units)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = _check_passes(passes)
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        self._reset_delays()
+        for unit in self._group_counts:
+            self._group_counts[unit] = 0
 
     # ----- during backward -----
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        index = self._unit_of[p]
-        unit = self._units[index]
-        if p.grad is not None and p.grad.requires_grad:
-            raise ValueError(
-                "DistributedOptimizer cannot reduce gradients that require grad (backward(create_graph=True))"
-            )
-        if self._delay[p] <= 0:
+        """Counts one backward pass of ``p``; starts its (or its group's) allreduce on the last.
+
+        Raises:
+            AssertionError: the gradient requires grad, or more backward passes than
+                ``backward_passes_per_step`` before ``step()`` (Horovod's assertions).
+        """
+        _check_gradient(p)
+        if self._allreduce_delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
-        self._delay[p] -= 1
-        self._handles.setdefault(index, None)
-        if self._delay[p] == 0:
-            self._ready[index] += 1
-            if self._ready[index] == len(unit):
-                self._handles[index] = self._launch(unit)
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] == 0:
+            if self._groups is None:
+                self._handles[p] = self._launch((p,))
+                return
+            group = self._p_to_group[p]
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                self._handles[group] = self._launch(group)
+                for member in group:  # Horovod keys a group's members alone until it starts
+                    self._handles.pop(member, None)
+                self._group_counts[group] = 0
+                return
+        self._handles[p] = (None, None)
 
     def _scales(self) -> tuple[float, float]:
         if self.op == AVERAGE:
@@ -176,66 +168,65 @@ class _DistributedOptimizer(WrappedOptimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _launch(self, unit: Unit) -> _Pending:
-        """Starts the allreduce of the unit's gradients (zeros for a parameter without one)."""
+    def _launch(self, unit: Unit) -> tuple[Handle, Any]:
+        """Starts the allreduce of the unit's gradients (zeros for a parameter without one).
+
+        Returns:
+            ``(handle, ctx)`` as ``_handles`` holds them: the compression context, a
+            tuple of them for a group, None for a sparse allreduce (a callable handle).
+        """
         for p in unit:
             if p.grad is None:
                 # No gradient on this rank this step; other ranks may have one.
                 p.grad = torch.zeros_like(p)
-        name = self._names[unit[0]]
-        first = unit[0].grad
-        alone = len(unit) == 1 and self._groups is None
-        if alone and first is not None and first.is_sparse and not self.sparse_as_dense:
-            p = unit[0]
-            wait_sparse = sparse_allreduce_async(first, name=name, op=self.op, process_set=self.process_set)
-
-            def finish_sparse(results: list[torch.Tensor]) -> None:
-                p.grad = results[0]
-
-            return _Pending(lambda: [wait_sparse()], finish_sparse)
+        name = self._parameter_names[unit[0]]
+        prescale, postscale = self._scales()
+        if self._groups is None:
+            grad = unit[0].grad
+            assert grad is not None  # invariant: set above
+            if grad.is_sparse and not self.sparse_as_dense:
+                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
+            compressed, ctx = self._compression.compress(_dense(grad))
+            handle = allreduce_async_(
+                compressed, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=self.process_set,
+            )  # fmt: skip
+            return handle, ctx
         sends, contexts = [], []
         for p in unit:
             grad = p.grad
             assert grad is not None  # invariant: set above
-            if grad.is_sparse:
-                if not self.sparse_as_dense:
-                    raise ValueError(
-                        f"DistributedOptimizer: parameter '{self._names[p]}' has a sparse gradient and is in a "
-                        "group; grouped allreduce needs dense gradients (pass sparse_as_dense=True)"
-                    )
-                grad = grad.to_dense()
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            compressed, ctx = self._compression.compress(grad)
+            if grad.is_sparse and not self.sparse_as_dense:
+                raise ValueError(
+                    f"DistributedOptimizer: parameter '{self._parameter_names[p]}' has a sparse gradient and is in "
+                    "a group; grouped allreduce needs dense gradients (pass sparse_as_dense=True)"
+                )
+            compressed, ctx = self._compression.compress(_dense(grad))
             sends.append(compressed)
             contexts.append(ctx)
-        prescale, postscale = self._scales()
-        if self._groups is None:
-            handle = allreduce_async_(
-                sends[0], name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
-                process_set=self.process_set,
-            )  # fmt: skip
+        handle = grouped_allreduce_async_(
+            sends, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+            process_set=self.process_set,
+        )  # fmt: skip
+        return handle, tuple(contexts)
+
+    def _finish(self, unit: Unit, handle: Handle, ctx: Any) -> None:
+        """Waits for the unit's allreduce and writes the results into its gradients, in place."""
+        if callable(handle):  # a sparse allreduce: its result needs no decompression
+            aggregated = [handle()]
         else:
-            handle = grouped_allreduce_async_(
-                sends, name=name, op=self.op, prescale_factor=prescale, postscale_factor=postscale,
-                process_set=self.process_set,
-            )  # fmt: skip
-
-        def wait() -> list[torch.Tensor]:
             result = synchronize(handle)
-            return result if isinstance(result, list) else [result]
-
-        def finish(results: list[torch.Tensor]) -> None:
-            for p, result, ctx in zip(unit, results, contexts):
-                reduced = self._compression.decompress(result, ctx)
-                grad = p.grad
-                assert grad is not None  # invariant: set at launch
-                if grad.is_sparse:
-                    p.grad = reduced.to_sparse()
-                elif reduced is not grad:
-                    grad.copy_(reduced)
-
-        return _Pending(wait, finish)
+            results = result if self._groups is not None else [result]
+            contexts = ctx if self._groups is not None else (ctx,)
+            aggregated = [self._compression.decompress(r, c) for r, c in zip(results, contexts)]
+        for p, reduced in zip(unit, aggregated):
+            grad = p.grad
+            assert grad is not None  # invariant: set at launch
+            # The gradient tensor stays the same object (as in Horovod); only its values change.
+            if grad.is_sparse:
+                grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
+            elif reduced is not grad:
+                grad.copy_(reduced)
 
     # ----- step -----
 
@@ -248,19 +239,24 @@ class _DistributedOptimizer(WrappedOptimizer):
         if not self.process_set.included() or not self._active:
             self._synchronized = True
             return
-        for index, unit in enumerate(self._units):  # the same order on every rank
-            if self._handles.get(index) is None:
-                self._handles[index] = self._launch(unit)
+        grouped = self._groups is not None
         try:
-            for index in range(len(self._units)):
-                pending = self._handles[index]
-                assert pending is not None  # invariant: launched above
-                pending.finish(pending.wait())
+            for unit in self._units:  # the same order on every rank
+                key = unit if grouped else unit[0]
+                launched = self._handles.get(key)
+                if launched is None or launched[0] is None:
+                    self._handles[key] = self._launch(unit)
+                    if grouped:
+                        for member in unit:
+                            self._handles.pop(member, None)
+            for unit in self._units:
+                handle, ctx = self._handles[unit if grouped else unit[0]]
+                self._finish(unit, handle, ctx)
         finally:
             self._handles.clear()
-            for p in self._delay:
-                self._delay[p] = self.backward_passes_per_step
-            self._ready = [0] * len(self._units)
+            self._reset_delays()
+            for group in self._group_counts:
+                self._group_counts[group] = 0
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -317,6 +313,13 @@ class _DistributedOptimizer(WrappedOptimizer):
         if self._handles:
             raise AssertionError(_ZERO_GRAD_MISUSE)
         self._optimizer.zero_grad(set_to_none)
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient as the in-place allreduce takes it: dense and contiguous (a copy if it is not)."""
+    if grad.is_sparse:
+        return grad.to_dense()
+    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _check_groups(groups: int | list[list[torch.Tensor]] | None) -> int | list[list[torch.Tensor]] | None:
