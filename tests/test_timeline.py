@@ -32,6 +32,21 @@ def test_the_file_is_a_complete_json_array_after_every_flush(tmp_path: Path) -> 
     assert any(e["ph"] == "i" and e["name"] == "CYCLE_START" for e in events)
 
 
+def _signal(path: str, what: str, rank: int) -> None:
+    """Rank 0 says it has started or stopped its timeline; the others wait for it, so that
+    no request of theirs reaches rank 0's coordinator on the other side of the switch
+    (rank 0 records a tensor's negotiation from the first request it sees)."""
+    import time
+
+    flag = Path(f"{path}.{what}")
+    if rank == 0:
+        flag.touch()
+        return
+    deadline = time.monotonic() + 30
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def traced_job(path: str, dynamic: bool) -> None:
     import hora.numpy as hvd
 
@@ -39,10 +54,12 @@ def traced_job(path: str, dynamic: bool) -> None:
     if dynamic:
         hvd.allreduce(np.ones(3), name="before")  # not recorded
         hvd.start_timeline(path)
+        _signal(path, "started", hvd.rank())
     hvd.allreduce(np.ones(3, dtype=np.float32), name="grad")
     hvd.allgather(np.ones((hvd.rank() + 1, 2)), name="gathered")
     if dynamic:
         hvd.stop_timeline()
+        _signal(path, "stopped", hvd.rank())
         hvd.allreduce(np.ones(3), name="after")  # not recorded
     hvd.shutdown()
 
