@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install typecheck clean
+.PHONY: demo test check install typecheck clean
 
 $(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,11 @@ typecheck: $(STAMP)
 # network namespaces, Open MPI, MPICH, Slurm); it is quick when they are already there.
 test: $(STAMP) typecheck
 	bash scripts/setup-system.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
+
+# The fast layer alone (tests/conftest.py): one-process tests, no system setup, under a minute.
+check: $(STAMP)
+	$(PY) -m pytest -q -m unit
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache

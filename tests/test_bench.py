@@ -105,6 +105,7 @@ def test_peers_list() -> None:
 # ----- through the launcher -----
 
 
+@pytest.mark.ranks
 def test_two_ranks_every_collective_json(tmp_path: Path) -> None:
     out, image = tmp_path / "bench.json", tmp_path / "bench.png"
     drawing = ["--plot", str(image)]  # matplotlib is a test dependency
@@ -124,6 +125,7 @@ def test_two_ranks_every_collective_json(tmp_path: Path) -> None:
     assert data["backends"]["hora"]["latency"]["iters"] == 5
 
 
+@pytest.mark.ranks
 def test_peers_torch_gloo_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = bench("-np", "2", "--sizes", "4K", *QUICK, "--peers", "torch-gloo", "--json", str(out), cwd=tmp_path)
@@ -135,6 +137,7 @@ def test_peers_torch_gloo_side_by_side(tmp_path: Path) -> None:
     assert data["backends"]["torch-gloo"]["results"][0]["wrong"] == 0
 
 
+@pytest.mark.ranks
 def test_under_horarun_rank0_reports(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -147,6 +150,7 @@ def test_under_horarun_rank0_reports(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["backends"]["hora"]["results"][0]["wrong"] == 0
 
 
+@pytest.mark.ranks
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     done = bench("-np", "2", "--sizes", "4Q", cwd=tmp_path)
     assert done.returncode == 2 and "invalid size '4Q'" in done.stderr

@@ -12,6 +12,8 @@ import pytest
 from data import ALL, BFLOAT16, FLOATS, INTS, make, tolerance
 from harness import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 SIZES = [1, 2, 3, 4]
 SHAPES = [(), (0,), (1,), (5,), (17, 3), (2, 3, 4)]
 

@@ -85,6 +85,7 @@ def test_doctor_names_a_missing_interface(cluster: Cluster) -> None:
     assert "(fix --network-interfaces)" in result.stdout
 
 
+@pytest.mark.ranks
 def test_doctor_bad_flags_are_one_line() -> None:
     result = subprocess.run([PY, "-m", "hora.runner", "doctor", "--hosts"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--hosts" in result.stderr

@@ -12,6 +12,8 @@ import pytest
 
 from harness import TESTS, run_ranks
 
+pytestmark = pytest.mark.ranks
+
 
 def mismatch_job() -> list[tuple[str, str, str]]:
     import hora.numpy as hvd

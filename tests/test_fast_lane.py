@@ -192,6 +192,7 @@ def lane_results_job(rounds: int) -> list:
     return [out, None if lane is None else lane.succeeded]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.timeout(120)
 def test_results_are_exact_whichever_path_a_step_takes(size):
@@ -240,6 +241,7 @@ def mixed_order_job(steps: int) -> list:
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.timeout(120)
 def test_ranks_submitting_in_different_orders_finish_with_exact_results(size):
@@ -276,6 +278,7 @@ def threads_job(steps: int) -> list:
     return [out[t] for t in range(3)]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.timeout(120)
 def test_threads_of_a_rank_share_the_lane(size):
@@ -309,6 +312,7 @@ def invalidation_job() -> list:
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 def test_a_changed_tensor_leaves_the_lane_and_gets_the_coordinators_error():
     for out in run_ranks(2, invalidation_job):
@@ -332,6 +336,7 @@ def join_job() -> list:
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 def test_a_joined_rank_contributes_zeros_to_cached_tensors():
     rank0, rank1 = run_ranks(2, join_job)
@@ -361,6 +366,7 @@ def poll_only_job() -> list:
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(90)
 def test_a_lane_proposal_nobody_waits_for_finishes():
     for out in run_ranks(2, poll_only_job, timeout=80):
@@ -389,6 +395,7 @@ def leaving_job(how: str) -> str:
         return str(exc)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("how", ["kill", "shutdown"])
 @pytest.mark.timeout(60)
 def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how):

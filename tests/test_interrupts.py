@@ -18,6 +18,8 @@ import pytest
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 MiB = 1 << 20
 
 

@@ -21,6 +21,8 @@ from data import make
 from harness import run_ranks
 from test_tensorflow_ops import SIZES, TF_ENV, Checks, start
 
+pytestmark = pytest.mark.framework
+
 BATCH = 4  # per rank
 STEPS = 4  # batches per epoch
 

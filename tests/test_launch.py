@@ -159,6 +159,7 @@ def test_mpich_mpiexec(mpich_env: dict[str, str], script: Path, tmp_path: Path) 
     assert all(data["mpi"] for data in ranks)
 
 
+@pytest.mark.ranks
 def test_torchrun_style_variables_set_by_hand(script: Path, tmp_path: Path) -> None:
     port = str(free_port())
     processes = [
@@ -352,6 +353,7 @@ def test_block_cross_and_topology_from_hosts() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.ranks
 def test_check_build_reports_what_is_there() -> None:
     result = subprocess.run([PY, "-m", "hora.runner", "--check-build"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

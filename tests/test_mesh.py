@@ -148,6 +148,7 @@ def _run_attacked(
     return max(done for _, done in results) - released[0]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("idle", [1, 20])
 def test_idle_connections_during_start_do_not_delay_the_job(
@@ -163,6 +164,7 @@ def test_idle_connections_during_start_do_not_delay_the_job(
     assert elapsed < _PROMPT, f"the start with {idle} idle connection(s) per rank took {elapsed:.2f} s"
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_stalled_and_lying_peers_during_start_do_not_delay_the_job(
     opened: list[socket.socket], monkeypatch: pytest.MonkeyPatch

@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from netns_hosts import Cluster, ensure_system, namespace_pids  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 PY = sys.executable
 
 # A rank: one allreduce, then a JSON line with what it sees; options through argv.

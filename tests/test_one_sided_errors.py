@@ -14,6 +14,8 @@ import pytest
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 CASES = ("splits", "fractional splits", "root", "group sizes", "barrier vs allreduce", "same name", "unpicklable")
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 
 def overlapping_job() -> dict:
     import hora.numpy as hvd

@@ -85,6 +85,7 @@ def rank_envs(result: subprocess.CompletedProcess[str], size: int) -> list[dict[
     return envs
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_environment_per_rank(size: int) -> None:
@@ -107,6 +108,7 @@ def test_environment_per_rank(size: int) -> None:
         assert env["PYTHONUNBUFFERED"] == "1"
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_two_host_names_on_one_machine() -> None:
     result = horarun("-np", "4", "-H", "localhost:2,127.0.0.1:2", "--start-timeout", "7", *script(ENV_DUMP))
@@ -125,6 +127,7 @@ def test_two_host_names_on_one_machine() -> None:
     assert {e["HORA_START_TIMEOUT"] for e in envs} == {"7.0"}
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_tuning_flags_reach_the_ranks_config() -> None:
     check = """
@@ -152,6 +155,7 @@ def test_tuning_flags_reach_the_ranks_config() -> None:
     assert json.loads(rank_lines(result.stdout, 0)[0])[2] == 0
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_output_prefixes_partial_lines_and_bytes() -> None:
     source = """
@@ -175,6 +179,7 @@ def test_output_prefixes_partial_lines_and_bytes() -> None:
         assert f"<stderr>:out-{rank}".encode() not in result.stderr
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_prefix_output_with_timestamp() -> None:
     result = horarun("-np", "1", "-prefix-timestamp", *script("print('hello')"))
@@ -182,6 +187,7 @@ def test_prefix_output_with_timestamp() -> None:
     assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello\n", result.stdout)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_output_filename_writes_raw_streams(tmp_path: Path) -> None:
     source = """
@@ -199,6 +205,7 @@ def test_output_filename_writes_raw_streams(tmp_path: Path) -> None:
         assert f"[{rank}]<stdout>:out {rank}" in result.stdout
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_verbose_prints_plan_and_port_but_never_the_secret(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
@@ -215,6 +222,7 @@ def test_verbose_prints_plan_and_port_but_never_the_secret(tmp_path: Path) -> No
     assert len(secret) == 64 and secret not in result.stderr + result.stdout
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_failing_rank_is_named_first_with_its_stderr_tail() -> None:
     source = """
@@ -243,6 +251,7 @@ def test_failing_rank_is_named_first_with_its_stderr_tail() -> None:
     assert wait_gone(pids) == []
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_a_crashed_rank_s_whole_traceback_leads_the_summary() -> None:
     """Twelve nested calls make a traceback of 26 lines: a ten-line tail would start mid-traceback."""
@@ -271,6 +280,7 @@ def test_a_crashed_rank_s_whole_traceback_leads_the_summary() -> None:
     assert summary[2 + len(traceback)] == "horarun: the other ranks:"
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_rank_killed_by_signal_stops_the_others_and_their_children() -> None:
     source = """
@@ -295,6 +305,7 @@ def test_rank_killed_by_signal_stops_the_others_and_their_children() -> None:
     assert wait_gone(pids) == []
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_horarun_stops_every_rank(signum: int) -> None:
@@ -324,6 +335,7 @@ def test_signal_to_horarun_stops_every_rank(signum: int) -> None:
     assert wait_gone(pids) == []
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 def test_sigkill_of_horarun_stops_its_silent_local_ranks(tmp_path: Path) -> None:
     """Ranks that write nothing never meet a closed pipe; rank 0 ignores SIGTERM, and each
@@ -365,6 +377,7 @@ def test_sigkill_of_horarun_stops_its_silent_local_ranks(tmp_path: Path) -> None
                 pass
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_success_exits_zero_and_unstarted_command_fails() -> None:
     assert horarun("-np", "2", PY, "-c", "pass").returncode == 0
@@ -402,6 +415,7 @@ def test_bad_flags_exit_2_with_one_line(
         assert word in err
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_bad_flag_through_the_real_command() -> None:
     result = horarun("-np", "2", "--cycle-time-ms", "-1", "true")
@@ -409,6 +423,7 @@ def test_bad_flag_through_the_real_command() -> None:
     assert result.stderr.count("\n") == 1 and "--cycle-time-ms" in result.stderr and "'-1'" in result.stderr
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_more_processes_than_slots() -> None:
     result = horarun("-np", "5", "-H", "localhost:2,127.0.0.1:2", "true")
@@ -416,6 +431,7 @@ def test_more_processes_than_slots() -> None:
     assert result.stderr.startswith("horarun: error: -np 5 exceeds the 4 slots")
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_unknown_host_is_one_line_naming_it(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
@@ -428,6 +444,7 @@ def test_unknown_host_is_one_line_naming_it(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_version() -> None:
     result = horarun("-v")

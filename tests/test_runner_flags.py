@@ -150,6 +150,7 @@ def test_control_lines_are_taken_out_of_a_remote_rank_stderr() -> None:
     assert list(forwarder.tail) == ["line one", "half"]
 
 
+@pytest.mark.ranks
 def test_help_lists_horovodrun_flags() -> None:
     result = subprocess.run([sys.executable, "-m", "hora.runner", "--help"], capture_output=True, text=True)
     for flag in ("--ssh-port", "--ssh-identity-file", "--network-interfaces", "--config-file", "--check-build",

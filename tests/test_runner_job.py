@@ -80,6 +80,7 @@ def run_job(source: str, size: int, grace: float, timeout: float | None = None) 
     return result, err.getvalue()
 
 
+@pytest.mark.ranks
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period() -> None:
     source = """
         import os, signal, sys, time
@@ -106,6 +107,7 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period() -> None:
     assert lines[4].endswith("stopped after SIGTERM (exit code 5)")
 
 
+@pytest.mark.ranks
 def test_timeout_stops_the_job() -> None:
     result, _ = run_job("import time; time.sleep(30)", 2, grace=1.0, timeout=0.5)
     assert result.timed_out and result.first_failure is None and result.exit_code == 124
@@ -113,6 +115,7 @@ def test_timeout_stops_the_job() -> None:
     assert failure_lines(result)[0] == "horarun: timed out: ranks still running: 0, 1; every rank was stopped"
 
 
+@pytest.mark.ranks
 def test_success_has_no_summary() -> None:
     result, err = run_job("print('ok')", 2, grace=1.0)
     assert result.exit_code == 0 and failure_lines(result) == [] and err == ""

@@ -35,6 +35,7 @@ def sleeps_on_rank_one() -> str:
     return "done"
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_results_by_rank(size: int) -> None:
@@ -42,12 +43,14 @@ def test_results_by_rank(size: int) -> None:
     assert results == [(rank, size, 10 * rank) for rank in range(size)]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_lambda_num_proc_and_env() -> None:
     results = hora.run(lambda: (os.environ["HORA_RANK"], os.environ["EXTRA"]), num_proc=2, env={"EXTRA": "x"})
     assert results == [("0", "x"), ("1", "x")]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_failure_raises_with_the_remote_traceback() -> None:
     started = time.monotonic()
@@ -65,6 +68,7 @@ def test_failure_raises_with_the_remote_traceback() -> None:
     assert "rank 0 (host localhost" in message and "stopped by SIGTERM" in message
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_timeout_names_the_ranks_still_running() -> None:
     started = time.monotonic()
@@ -85,6 +89,7 @@ def test_bad_arguments(kwargs: dict[str, object]) -> None:
         hora.run(rank_and_product, args=(1,), **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(30)
 def test_keyboard_interrupt_stops_the_ranks(tmp_path: Path) -> None:
     program = tmp_path / "interrupted.py"

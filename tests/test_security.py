@@ -139,6 +139,7 @@ def steady_job() -> float:
     return total
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 def test_attacks_on_the_rendezvous_during_a_job_change_nothing():
     def attack(server: RendezvousServer) -> None:

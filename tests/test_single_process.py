@@ -57,6 +57,7 @@ def test_fp16_compression_round_trip(fresh):
     assert hvd.allreduce(ints, compression=hvd.Compression.fp16, op=hvd.Sum).dtype == ints.dtype
 
 
+@pytest.mark.ranks
 def test_a_forked_child_gets_a_clear_error(fresh):
     hvd.init()
     read, write = os.pipe()

@@ -18,6 +18,8 @@ from data import make
 from harness import run_ranks
 from test_tensorflow_ops import SIZES, TF_ENV, Checks, start
 
+pytestmark = pytest.mark.framework
+
 
 def _grad(tf: Any, fn: Callable[[Any], Any], x: np.ndarray, w: np.ndarray, graph: bool) -> Any:
     """d/dx of sum(fn(x) * w), eagerly or inside tf.function."""

@@ -12,6 +12,8 @@ import pytest
 
 from test_tensorflow_ops import TF_ENV
 
+pytestmark = pytest.mark.framework
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

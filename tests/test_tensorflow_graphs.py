@@ -24,6 +24,8 @@ import pytest
 from harness import run_ranks
 from test_tensorflow_ops import TF_ENV, Checks, start
 
+pytestmark = pytest.mark.framework
+
 # Session runs per job: with a fresh order of delays on every run, an order-dependent
 # name fails within the first few runs (it failed on the first before names were drawn
 # when ops are built).

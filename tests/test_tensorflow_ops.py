@@ -16,6 +16,8 @@ import pytest
 from data import make, tolerance
 from harness import run_ranks
 
+pytestmark = pytest.mark.framework
+
 SIZES = [1, 2, 3]
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 # Quiet, single-threaded TensorFlow in every rank: the machines have 2 cores.

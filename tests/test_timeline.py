@@ -64,6 +64,7 @@ def traced_job(path: str, dynamic: bool) -> None:
     hvd.shutdown()
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.timeout(60)
 def test_rank_zero_records_every_tensor(tmp_path: Path, dynamic: bool) -> None:

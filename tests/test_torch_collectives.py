@@ -12,6 +12,8 @@ import torch
 from harness import run_ranks
 from test_torch_support import ALL, FLOATS, INTS, compare, make, setup_rank, wide
 
+pytestmark = pytest.mark.ranks
+
 SIZES = [1, 2, 3, 4]
 SHAPES = [(), (0,), (5,), (17, 3), (2, 3, 4)]
 

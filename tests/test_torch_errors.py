@@ -8,6 +8,8 @@ import torch
 from harness import run_ranks
 from test_torch_support import setup_rank
 
+pytestmark = pytest.mark.ranks
+
 
 def local_errors_job() -> list[str]:
     import hora.torch as hvd

@@ -18,6 +18,8 @@ import torch
 from harness import run_ranks
 from test_torch_support import setup_rank
 
+pytestmark = pytest.mark.ranks
+
 
 def _random(n: int, shape_of, salt: int) -> list[torch.Tensor]:
     """One float64 tensor per rank, of shape ``shape_of(rank)``, the same on every rank."""

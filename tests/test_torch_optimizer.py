@@ -12,6 +12,8 @@ import torch
 from harness import run_ranks
 from test_torch_support import setup_rank
 
+pytestmark = pytest.mark.ranks
+
 ROWS_PER_RANK = 4
 STEPS = 3
 

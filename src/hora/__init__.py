@@ -3,9 +3,27 @@
 Import a framework binding (``hora.torch``, ``hora.tensorflow``, ``hora.numpy``, ...)
 the way you imported Horovod's, and launch with ``horarun``, or call a function on
 every rank with ``hora.run(func, np=4)``.
+
+``hora.run`` is loaded on first use: every rank imports this package, and none of
+them needs the launcher.
 """
 
-from hora.runner.run_func import run
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from hora.version import __version__
 
+if TYPE_CHECKING:
+    from hora.runner.run_func import run
+
 __all__ = ["__version__", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    """Loads ``run`` (the launcher) when it is first asked for."""
+    if name == "run":
+        from hora.runner.run_func import run
+
+        return run
+    raise AttributeError(f"module 'hora' has no attribute {name!r}")
