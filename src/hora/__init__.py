@@ -10,9 +10,13 @@ them needs the launcher.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from hora.version import __version__
+
+# Quiet until init() (hora.logs): no record reaches logging's last-resort handler.
+logging.getLogger("hora").addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from hora.runner.run_func import run

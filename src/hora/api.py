@@ -18,7 +18,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from hora import ops
+from hora import logs, ops
 from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import CALLED_SHUTDOWN
@@ -27,6 +27,8 @@ from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
 from hora.process_sets import ProcessSet, global_process_set
 from hora.runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 NOT_INITIALIZED = "hora has not been initialized; use hvd.init()."
 
@@ -99,10 +101,11 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _configure_logging(config)
         ignored = config.extras.unsupported()
         if ignored and config.topology.rank == 0:
-            logging.getLogger("hora").warning(
-                "hora: %s %s set but hora has no such feature yet; the setting has no effect",
+            log.warning(
+                "%s %s set but hora has no such feature yet; the setting has no effect",
                 ", ".join(ignored),
                 "is" if len(ignored) == 1 else "are",
+                extra=logs.at(config.topology.rank),
             )
         runtime = Runtime(config, _context.generation)
         _context.generation += 1
@@ -452,15 +455,4 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 
 def _configure_logging(config: Config) -> None:
-    logger = logging.getLogger("hora")
-    level = {"TRACE": 5, "FATAL": logging.CRITICAL}.get(config.log_level, config.log_level)
-    logger.setLevel(level)
-    if not any(getattr(h, "_hora", False) for h in logger.handlers):
-        handler: logging.Handler = logging.StreamHandler()
-        handler._hora = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False
-    for handler in logger.handlers:
-        if getattr(handler, "_hora", False):
-            fmt = "%(message)s" if config.log_hide_time else "[%(asctime)s] %(message)s"
-            handler.setFormatter(logging.Formatter(fmt))
+    logs.configure(config.log_level, config.log_hide_time)

@@ -32,7 +32,7 @@ from hora.transport import auth, netif
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
 from hora.transport.rendezvous_server import RendezvousServer
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 _RECORD = 1024  # bytes of the MPI broadcast: status, port, secret, address or error text
 _HEADER = struct.Struct("<BHH")  # status (1 ok, 2 error), port, length of the secret

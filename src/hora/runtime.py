@@ -30,7 +30,7 @@ from hora.transport import netif
 from hora.transport.local import connect_domain, sharing_everywhere
 from hora.transport.mesh import Mesh, build_mesh
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 Finish = Callable[[Any], Any]
 

@@ -19,6 +19,7 @@ import select
 import socket
 import time
 
+from hora import logs
 from hora.engine import messages
 from hora.engine.control import LINGER_NOTICE, ControlPlane, JobFailed
 from hora.engine.queue import internal_error
@@ -26,7 +27,7 @@ from hora.engine.stall import StalledError
 from hora.errors import ProtocolError
 from hora.transport.tcp import Link, LinkClosed, PeerProtocolError, encode_frame
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 ROOT_CAUSE_WAIT = 2.0  # seconds a failing worker waits for rank 0's account of the failure
 LEAVE_WAIT = 60.0  # seconds a leaving worker waits for rank 0 to acknowledge its shutdown
@@ -44,7 +45,7 @@ def reason_for(control: ControlPlane, exc: BaseException) -> str:
             f"rank {link.peer} on host {link.peer_host} sent a malformed control message ({exc.detail}); "
             "the job cannot go on with it"
         )
-    log.error("hora: the engine on rank %d failed", control.rank, exc_info=exc)
+    log.error("the engine failed", exc_info=exc, extra=logs.at(control.rank))
     return f"hora's engine on rank {control.rank} failed: {exc!r}"
 
 
@@ -90,9 +91,9 @@ def leave(control: ControlPlane, how: str) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             log.warning(
-                "hora: rank %d: rank 0 did not answer its shutdown within %g s (frozen?); leaving anyway",
-                control.rank,
+                "rank 0 did not answer its shutdown within %g s (frozen?); leaving anyway",
                 LEAVE_WAIT,
+                extra=logs.at(control.rank),
             )
             return
         if poller.poll(remaining * 1000.0):
@@ -115,8 +116,7 @@ def fail(control: ControlPlane, reason: str, settled: bool = False) -> str:
         if not link.closed_by_peer:
             _send_quietly(link, messages.FAILURE, messages.encode_reason(f"rank {control.rank}: {reason}"))
         reason = _await_abort(control, link, reason)
-    mine = f"rank {control.rank}: "
-    log.error("hora: %s", reason if reason.startswith(mine) else mine + reason)
+    log.error("%s", reason.removeprefix(f"rank {control.rank}: "), extra=logs.at(control.rank))
     control.queue.close(internal_error(reason))
     control.executor.abandon(internal_error(reason))
     return reason
@@ -163,4 +163,6 @@ def note_lingering(control: ControlPlane) -> None:
     if time.monotonic() - control.leaving_since >= LINGER_NOTICE:
         control.lingering_noted = True
         waiting = ", ".join(map(str, sorted(control.links)))
-        log.warning("hora: rank 0 has shut down; it coordinates rank(s) %s until they shut down too", waiting)
+        log.warning(
+            "shut down, and coordinates rank(s) %s until they shut down too", waiting, extra=logs.at(control.rank)
+        )

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from hora import logs
 from hora.config import Config
 from hora.engine import endings
 from hora.engine.algorithms import Collectives
@@ -60,7 +61,7 @@ from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
 from hora.transport.tcp import Link, Watch
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 CALLED_SHUTDOWN = "has shut down (it called shutdown())"
 TIMELINE_WAIT = 60.0  # seconds start_timeline/stop_timeline wait for an engine pass to take the request
@@ -424,7 +425,7 @@ class Engine:
             try:
                 os.sched_setaffinity(0, {core})  # 0: this thread only
             except OSError as exc:
-                log.warning("hora: rank %d cannot pin its engine thread to core %d: %s", self.rank, core, exc)
+                log.warning("cannot pin its engine thread to core %d: %s", core, exc, extra=logs.at(self.rank))
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - every failure must fail the handles, never hang them

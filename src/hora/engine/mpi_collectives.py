@@ -40,7 +40,7 @@ from hora.collectives.ring import Bounds
 from hora.errors import HoraInternalError
 from hora.transport.tcp import Patience, Watch
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 
 def load_mpi() -> Any:
@@ -144,7 +144,7 @@ class MpiThread:
 
 
 def _abort(mpi: Any) -> None:
-    log.error("hora: an MPI collective was abandoned mid-way (the job failed): calling MPI_Abort")
+    log.error("an MPI collective was abandoned mid-way (the job failed): calling MPI_Abort")
     sys.stdout.flush()
     sys.stderr.flush()
     if mpi.Query_thread() == mpi.THREAD_MULTIPLE:

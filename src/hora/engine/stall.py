@@ -20,10 +20,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from hora import logs
 from hora.config import Config
 from hora.engine.coordinator import Coordinator, Stall
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 
 
 class StalledError(Exception):
@@ -97,7 +98,7 @@ class StallInspector:
                 )
         if now - self._last_warning >= self.warn_after:
             self._last_warning = now
-            log.warning("%s", stall_report(stalls, self.warn_after))
+            log.warning("%s", stall_report(stalls, self.warn_after).removeprefix("hora: "))
 
 
 class DataPhaseStall:
@@ -133,6 +134,6 @@ class DataPhaseStall:
         shutdown = self._inspector.shutdown_after
         if shutdown is not None and waited >= shutdown:
             raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
-        log.warning("hora: rank %d: %s; it resumes if they do", self._rank, message)
+        log.warning("%s; it resumes if they do", message, extra=logs.at(self._rank))
         due = waited + self._inspector.warn_after
         return due if shutdown is None else min(due, shutdown)

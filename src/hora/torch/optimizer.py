@@ -16,14 +16,13 @@ ready together. ``step()`` waits for them, then steps the wrapped optimizer.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from hora.api import broadcast_object, size, synchronize
+from hora.api import broadcast_object, current, size, synchronize
 from hora.collectives.reduce import ADASUM, AVERAGE
 from hora.compression import Compression, Compressor
 from hora.process_sets import ProcessSet, global_process_set
@@ -79,7 +78,8 @@ class _DistributedOptimizer(WrappedOptimizer):
         # Every reduced parameter in exactly one unit; the same units in the same order on
         # every rank, so synchronize() launches what is missing in one order everywhere.
         self._units: list[Unit] = []
-        self._active = bool(process_set.included()) and ((size() > 1) or os.environ.get("HOROVOD_ELASTIC") == "1")
+        # As Horovod: a single rank reduces nothing unless the job is elastic (it may grow).
+        self._active = bool(process_set.included()) and (size() > 1 or current().config.elastic)
         if self._active:
             self._register(_trainable(optimizer))
 

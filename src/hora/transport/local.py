@@ -22,10 +22,11 @@ import os
 
 import numpy as np
 
+from hora import logs
 from hora.transport import shm, tcp
 from hora.transport.mesh import Mesh
 
-log = logging.getLogger("hora.transport")
+log = logging.getLogger(__name__)
 
 
 def domain_ranks(mesh: Mesh) -> list[int]:
@@ -81,7 +82,7 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
     try:
         domain = shm.Domain(shm.job_key(secret), generation, ranks, mesh.rank, half) if shm.supported() else None
     except OSError as exc:
-        log.warning("hora: rank %d cannot create its shared memory segment (%s); using TCP", mesh.rank, exc)
+        log.warning("cannot create its shared memory segment (%s); using TCP", exc, extra=logs.at(mesh.rank))
     if not _all_ok(mesh, peers, domain is not None):
         if domain is not None:
             domain.close()
@@ -91,7 +92,7 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
         domain.attach()
         attached = True
     except OSError as exc:
-        log.warning("hora: rank %d cannot map a peer's shared memory (%s); using TCP", mesh.rank, exc)
+        log.warning("cannot map a peer's shared memory (%s); using TCP", exc, extra=logs.at(mesh.rank))
         attached = False
     if not _all_ok(mesh, peers, attached):
         domain.close()

@@ -32,7 +32,7 @@ from hora.errors import AuthenticationError, HoraInternalError, ProtocolError
 from hora.transport import auth, shm, tcp
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
 
-log = logging.getLogger("hora.transport")
+log = logging.getLogger(__name__)
 
 DATA = 1
 CONTROL = 2
@@ -444,7 +444,7 @@ class Acceptor:
 
     def _reject(self, conn: _Pending, reason: str) -> None:
         self.rejected += 1
-        log.warning("hora: rejected a connection from %s:%s: %s", conn.address[0], conn.address[1], reason)
+        log.warning("rejected a connection from %s:%s: %s", conn.address[0], conn.address[1], reason)
 
     def _forget(self, conn: _Pending) -> None:
         """Takes a connection out of ``_pending`` and the selector (the invariant's two halves)."""

@@ -38,7 +38,7 @@ from hora.transport import auth, tcp
 from hora.transport import rendezvous as proto
 from hora.transport.codec import Reader, Writer
 
-log = logging.getLogger("hora.transport")
+log = logging.getLogger(__name__)
 
 FRAME_TIMEOUT = 30.0  # seconds a client that began a frame may send nothing
 _CHUNK = 1 << 16  # bytes read at once: the most a payload buffer runs ahead of the data
@@ -139,7 +139,7 @@ class RendezvousServer:
         except (AuthenticationError, ProtocolError) as exc:
             with self._changed:
                 self.rejected += 1
-            log.warning("hora rendezvous: rejected a connection from %s:%s: %s", address[0], address[1], exc)
+            log.warning("rendezvous: rejected a connection from %s:%s: %s", address[0], address[1], exc)
         except OSError:
             pass  # the client went away (or the server is stopping); nothing to clean up but the socket
         finally:
@@ -233,7 +233,7 @@ class RendezvousServer:
         try:
             seconds = proto.check_wait_timeout(timeout)
         except ValueError as exc:
-            log.warning("hora rendezvous: refused a request from %s:%s: %s", address[0], address[1], exc)
+            log.warning("rendezvous: refused a request from %s:%s: %s", address[0], address[1], exc)
             return proto.ERROR, Writer().string(str(exc)).bytes()
         return self._wait(keys, seconds)
 

@@ -20,7 +20,7 @@ from hora.collectives.reduce import AVERAGE
 from hora.process_sets import global_process_set
 from hora.tensorflow.collectives import broadcast_, grouped_allreduce
 
-log = logging.getLogger("hora")
+log = logging.getLogger(__name__)
 _keras: Any = tf.keras
 _Callback: Any = _keras.callbacks.Callback
 _ModelCheckpoint: Any = _keras.callbacks.ModelCheckpoint
@@ -43,7 +43,7 @@ def turn_off_xla(model: Any) -> None:
         if getattr(model, attribute, None) is not None:
             setattr(model, attribute, None)
     log.warning(
-        "hora: turned XLA off for model.fit (jit_compile=False): hora's collectives run in Python and XLA cannot "
+        "turned XLA off for model.fit (jit_compile=False): hora's collectives run in Python and XLA cannot "
         "compile them. Pass jit_compile=False to model.compile() to silence this."
     )
 
