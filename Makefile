@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: demo test check install typecheck clean
+.PHONY: demo test check install typecheck layers clean
 
 $(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,15 +34,19 @@ demo: $(DEMO_STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# The whole suite: static types, then every test (multi-process tests start their own ranks).
+# The import contracts of pyproject.toml: layers, bindings through the core, no cycles.
+layers: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+# The whole suite: static types, the import contracts, then every test (multi-process tests start their own ranks).
 # scripts/setup-system.sh installs the system pieces the launcher tests use for real (sshd,
 # network namespaces, Open MPI, MPICH, Slurm); it is quick when they are already there.
-test: $(STAMP) typecheck
+test: $(STAMP) typecheck layers
 	bash scripts/setup-system.sh
 	$(PY) -m pytest -q --durations=20
 
 # The fast layer alone (tests/conftest.py): one-process tests, no system setup, under a minute.
-check: $(STAMP)
+check: $(STAMP) layers
 	$(PY) -m pytest -q -m unit
 
 clean:

@@ -24,8 +24,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from hora.collectives.reduce import ADASUM, AVERAGE, MAX, MIN, OP_NAMES, PRODUCT, SUM, DataType, data_type_of
-from hora.engine.handles import Handle
-from hora.engine.messages import RequestType, tensor_label
+# Handle and RequestType are the bindings' too: they reach the engine only through the core.
+from hora.engine.handles import Handle as Handle
+from hora.engine.messages import RequestType as RequestType
+from hora.engine.messages import tensor_label
 from hora.errors import UnsupportedOperationError
 from hora.process_sets import ProcessSet
 from hora.runtime import Runtime

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from hora.bench import plot, report
 from hora.bench.launch import BenchError, read_result, run_hora, run_processes
@@ -32,21 +32,16 @@ from hora.bench.load import ForeignLoad, busy_share, wait_idle
 from hora.bench.peers import PEERS, Peer, detect, parse_peers
 from hora.bench.plan import Plan, parse_collectives, parse_size, parse_sizes, size_range
 from hora.bench.worker import COLLECTIVES, DTYPES, OPS
+from hora.runner.arguments import USAGE_ERROR, Parser
 from hora.version import __version__
 
-USAGE_ERROR = 2
 DEFAULT_TIMEOUT = 3600.0
 BUSY_WARNING = 0.15  # share of the CPUs other programs used just before a run that earns a warning
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
     """Returns the ``hora-bench`` argument parser (nccl-tests' flag names where they exist)."""
-    p = _Parser(
+    p = Parser(
         prog="hora-bench",
         description="Time hora's collectives per message size (like nccl-tests), optionally next to its peers.",
         allow_abbrev=False,

@@ -16,46 +16,16 @@ for the other exit codes see ``hora.runner.launch``.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from hora import config
 from hora.runner import config_file
+from hora.runner.arguments import USAGE_ERROR, Parser, number
 from hora.runner.launch import launch
 from hora.runner.settings import LaunchSettings, Tuning, parse_assignment
 from hora.version import __version__
-
-USAGE_ERROR = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: ``horarun: error: ...``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _number(
-    kind: type[int] | type[float], low: float, strict: bool = False, high: float | None = None
-) -> Callable[[str], float]:
-    """Makes an argparse type for numbers ``>= low`` (``> low`` when strict), ``<= high``."""
-    wanted = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {low:g}"
-    if high is not None:
-        wanted = f"{'an integer' if kind is int else 'a number'} in [{low:g}, {high:g}]"
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {wanted}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {wanted}")
-        return value
-
-    return parse
-
 
 def _log_level(text: str) -> str:
     if text.upper() not in config.LOG_LEVELS:
@@ -92,7 +62,7 @@ def _flag(group: Any, *names: str, dest: str, help: str, const: Any = True) -> N
 
 def make_parser() -> argparse.ArgumentParser:
     """Returns the ``horarun`` argument parser."""
-    parser = _Parser(
+    parser = Parser(
         prog="horarun",
         description="Run a command as the ranks of a hora (Horovod-compatible) job. "
         "`horarun doctor -H HOSTS` checks a cluster instead.",
@@ -100,7 +70,7 @@ def make_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("-v", "--version", action="version", version=f"hora {__version__}")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", metavar="N", type=_number(int, 1), help="number of ranks")
+    parser.add_argument("-np", "--num-proc", dest="num_proc", metavar="N", type=number(int, 1), help="number of ranks")
     parser.add_argument(
         "-cb", "--check-build", action="store_true", help="print the frameworks, transports and launchers available"
     )
@@ -110,7 +80,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     where.add_argument("-hostfile", "--hostfile", metavar="FILE", help="file with one 'host slots=N' per line")
     parser.add_argument(
-        "-p", "--ssh-port", metavar="PORT", type=_number(int, 1, high=65535), help="ssh port of the hosts"
+        "-p", "--ssh-port", metavar="PORT", type=number(int, 1, high=65535), help="ssh port of the hosts"
     )
     parser.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="private key ssh logs in with")
     parser.add_argument(
@@ -135,7 +105,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--start-timeout",
         metavar="SECONDS",
-        type=_number(float, 0, strict=True),
+        type=number(float, 0, strict=True),
         help="seconds ranks wait for each other at start-up (default: HORA_START_TIMEOUT or 30)",
     )
     parser.add_argument("--verbose", action="store_true", help="print the rank placement and the rendezvous port")
@@ -157,22 +127,22 @@ def make_parser() -> argparse.ArgumentParser:
 
     tuning = parser.add_argument_group("tuning (passed to the ranks as HORA_* variables)")
     for flag, metavar, parse, text in (
-        ("--fusion-threshold-mb", "MB", _number(float, 0), "fusion buffer size in MiB (0: off)"),
-        ("--cycle-time-ms", "MS", _number(float, 0), "ms to gather tensors before negotiating"),
-        ("--cache-capacity", "N", _number(int, 0), "response cache entries (0: off)"),
-        ("--stall-check-warning-time-seconds", "SECONDS", _number(float, 0, strict=True), "seconds before a warning"),
-        ("--stall-check-shutdown-time-seconds", "SECONDS", _number(float, 0), "seconds before shutdown (0: never)"),
+        ("--fusion-threshold-mb", "MB", number(float, 0), "fusion buffer size in MiB (0: off)"),
+        ("--cycle-time-ms", "MS", number(float, 0), "ms to gather tensors before negotiating"),
+        ("--cache-capacity", "N", number(int, 0), "response cache entries (0: off)"),
+        ("--stall-check-warning-time-seconds", "SECONDS", number(float, 0, strict=True), "seconds before a warning"),
+        ("--stall-check-shutdown-time-seconds", "SECONDS", number(float, 0), "seconds before shutdown (0: never)"),
         ("--log-level", "LEVEL", _log_level, f"one of {', '.join(config.LOG_LEVELS)}"),
         ("--autotune-log-file", "FILE", str, "where the autotuner logs its samples"),
-        ("--autotune-warmup-samples", "N", _number(int, 0), "samples the autotuner discards first"),
-        ("--autotune-steps-per-sample", "N", _number(int, 1), "steps per autotune sample"),
-        ("--autotune-bayes-opt-max-samples", "N", _number(int, 1), "samples of Bayesian optimisation"),
-        ("--autotune-gaussian-process-noise", "X", _number(float, 0, high=1), "noise in [0, 1]"),
+        ("--autotune-warmup-samples", "N", number(int, 0), "samples the autotuner discards first"),
+        ("--autotune-steps-per-sample", "N", number(int, 1), "steps per autotune sample"),
+        ("--autotune-bayes-opt-max-samples", "N", number(int, 1), "samples of Bayesian optimisation"),
+        ("--autotune-gaussian-process-noise", "X", number(float, 0, high=1), "noise in [0, 1]"),
         ("--timeline-filename", "FILE", str, "write a timeline (rank 0)"),
-        ("--num-nccl-streams", "N", _number(int, 1), "NCCL streams (GPU jobs)"),
+        ("--num-nccl-streams", "N", number(int, 1), "NCCL streams (GPU jobs)"),
         ("--thread-affinity", "CORES", str, "core of the engine thread per local rank"),
-        ("--ccl-bgt-affinity", "CORE", _number(int, 0), "oneCCL background thread core"),
-        ("--gloo-timeout-seconds", "SECONDS", _number(float, 0, strict=True), "as --start-timeout"),
+        ("--ccl-bgt-affinity", "CORE", number(int, 0), "oneCCL background thread core"),
+        ("--gloo-timeout-seconds", "SECONDS", number(float, 0, strict=True), "as --start-timeout"),
     ):
         tuning.add_argument(flag, metavar=metavar, type=parse, default=None, help=text)
     _flag(tuning, "--disable-cache", dest="disable_cache", help="turn the response cache off")

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hora.runner import hosts as hostlib
+from hora.runner.arguments import Parser, number
 from hora.runner.remote import probe_info
 from hora.runner.ssh import HostInfo, SshSettings, parse_probe, probe, remote_python_command
 from hora.transport import auth, netif
@@ -358,9 +359,7 @@ def render(checks: Sequence[HostCheck], pairs: Sequence[PairCheck], problems: Se
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from hora.runner.cli import _number, _Parser
-
-    parser = _Parser(
+    parser = Parser(
         prog="horarun doctor",
         description="Check that hora jobs can run on these hosts: ssh, versions, clocks, addresses, "
         "and a latency/bandwidth matrix of every pair.",
@@ -369,15 +368,15 @@ def make_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("-H", "--hosts", metavar="HOSTS", help="hosts, e.g. host1,host2 (slots are ignored)")
     where.add_argument("-hostfile", "--hostfile", metavar="FILE", help="file with one 'host slots=N' per line")
-    parser.add_argument("-p", "--ssh-port", metavar="PORT", type=_number(int, 1, high=65535))
+    parser.add_argument("-p", "--ssh-port", metavar="PORT", type=number(int, 1, high=65535))
     parser.add_argument("-i", "--ssh-identity-file", metavar="FILE")
     parser.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces", metavar="NICS")
     parser.add_argument(
-        "--connect-timeout", metavar="SECONDS", type=_number(float, 0, strict=True), default=3.0,
+        "--connect-timeout", metavar="SECONDS", type=number(float, 0, strict=True), default=3.0,
         help="seconds a connection between hosts may take (default 3)",
     )  # fmt: skip
     parser.add_argument(
-        "--bandwidth-mb", metavar="MB", type=_number(float, 0), default=8.0,
+        "--bandwidth-mb", metavar="MB", type=number(float, 0), default=8.0,
         help="MiB sent per pair to measure bandwidth (0: skip; default 8)",
     )  # fmt: skip
     return parser

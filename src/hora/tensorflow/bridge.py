@@ -57,8 +57,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 from hora import binding, ops
 from hora.api import current
 from hora.collectives.reduce import data_type_of
-from hora.engine.handles import Handle
-from hora.engine.messages import RequestType
+from hora.ops import Handle, RequestType
 from hora.process_sets import ProcessSet
 
 ALIGNMENT = 64  # bytes; TensorFlow's kernels assume EIGEN_MAX_ALIGN_BYTES-aligned buffers

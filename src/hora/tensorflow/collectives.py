@@ -39,8 +39,8 @@ from hora import ops
 from hora.api import current
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, PRODUCT, SUM
 from hora.compression import Compressor, NoneCompressor
-from hora.engine.messages import RequestType
 from hora.errors import UnsupportedOperationError
+from hora.ops import RequestType
 from hora.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge, kernels
 from hora.tensorflow.compression import for_tensorflow
