@@ -5,51 +5,18 @@ signatures, defaults), taking and returning NumPy arrays. It is the reference bi
 the tests use and a convenient one for NumPy-only jobs.
 """
 
+from hora import basics as _basics
+from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.api import (
-    add_process_set,
     allgather_object,
     barrier,
     broadcast_object,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
     is_homogeneous,
-    is_initialized,
     join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     poll,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
     synchronize,
 )
-from hora.collectives.reduce import ADASUM as Adasum
-from hora.collectives.reduce import AVERAGE as Average
-from hora.collectives.reduce import MAX as Max
-from hora.collectives.reduce import MIN as Min
-from hora.collectives.reduce import PRODUCT as Product
-from hora.collectives.reduce import SUM as Sum
 from hora.compression import Compression
-from hora.errors import (
-    CollectiveMismatchError,
-    HoraInternalError,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-)
 from hora.numpy.collectives import (
     allgather,
     allgather_async,
@@ -74,22 +41,9 @@ from hora.numpy.collectives import (
     reducescatter,
     reducescatter_async,
 )
-from hora.process_sets import ProcessSet, global_process_set
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "CollectiveMismatchError",
     "Compression",
-    "HoraInternalError",
-    "HorovodInternalError",
-    "HostsUpdatedInterrupt",
-    "Max",
-    "Min",
-    "ProcessSet",
-    "Product",
-    "Sum",
-    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -105,14 +59,6 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
-    "ccl_built",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -121,25 +67,11 @@ __all__ = [
     "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
-    "init",
     "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "poll",
-    "rank",
     "reducescatter",
     "reducescatter_async",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
     "synchronize",
 ]
+__all__ += _basics.__all__  # the names every binding offers (hora.basics)

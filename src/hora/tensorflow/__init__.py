@@ -21,41 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hora.api import (
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from hora.collectives.reduce import ADASUM as Adasum
-from hora.collectives.reduce import AVERAGE as Average
-from hora.collectives.reduce import MAX as Max
-from hora.collectives.reduce import MIN as Min
-from hora.collectives.reduce import PRODUCT as Product
-from hora.collectives.reduce import SUM as Sum
+from hora import basics as _basics
+from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
+from hora.api import is_homogeneous
 from hora.compression import Compressor
-from hora.errors import CollectiveMismatchError, HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
-from hora.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.basics import (
     barrier,
@@ -148,23 +117,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "CollectiveMismatchError",
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
-    "HoraInternalError",
-    "HorovodInternalError",
-    "HostsUpdatedInterrupt",
-    "Max",
-    "Min",
     "PartialDistributedGradientTape",
-    "ProcessSet",
-    "Product",
-    "Sum",
     "SyncBatchNormalization",
-    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -176,38 +133,16 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
-    "ccl_built",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
-    "init",
     "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
     "local_rank_op",
-    "local_size",
     "local_size_op",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "process_set_included_op",
-    "rank",
     "rank_op",
     "reducescatter",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
     "size_op",
 ]
+__all__ += _basics.__all__  # the names every binding offers (hora.basics)

@@ -4,44 +4,15 @@
 here only.
 """
 
+from hora import basics as _basics
+from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.api import (
-    add_process_set,
     barrier,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
     is_homogeneous,
-    is_initialized,
     join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     poll,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
     synchronize,
 )
-from hora.collectives.reduce import ADASUM as Adasum
-from hora.collectives.reduce import AVERAGE as Average
-from hora.collectives.reduce import MAX as Max
-from hora.collectives.reduce import MIN as Min
-from hora.collectives.reduce import PRODUCT as Product
-from hora.collectives.reduce import SUM as Sum
-from hora.errors import HoraInternalError, HorovodInternalError
-from hora.process_sets import ProcessSet, global_process_set
 from hora.torch.autograd import (
     HorovodAllgather,
     HorovodAllreduce,
@@ -80,10 +51,7 @@ from hora.torch.collectives import (
 from hora.torch.compression import Compression
 
 __all__ = [
-    "Adasum",
-    "Average",
     "Compression",
-    "HoraInternalError",
     "HorovodAllgather",
     "HorovodAllreduce",
     "HorovodAlltoall",
@@ -91,14 +59,7 @@ __all__ = [
     "HorovodGroupedAllgather",
     "HorovodGroupedAllreduce",
     "HorovodGroupedReducescatter",
-    "HorovodInternalError",
     "HorovodReducescatter",
-    "Max",
-    "Min",
-    "ProcessSet",
-    "Product",
-    "Sum",
-    "add_process_set",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -112,14 +73,6 @@ __all__ = [
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
-    "ccl_built",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -128,26 +81,12 @@ __all__ = [
     "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
-    "init",
     "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "poll",
-    "rank",
     "reducescatter",
     "reducescatter_async",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
     "sparse_allreduce_async",
-    "start_timeline",
-    "stop_timeline",
     "synchronize",
 ]
+__all__ += _basics.__all__  # the names every binding offers (hora.basics)
