@@ -81,22 +81,28 @@ def run_job(source: str, size: int, grace: float, timeout: float | None = None) 
 
 
 @pytest.mark.ranks
-def test_rank_ignoring_sigterm_is_killed_after_the_grace_period() -> None:
-    source = """
-        import os, signal, sys, time
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    # Rank 1 fails only once ranks 0 and 2 have set their SIGTERM handlers (flag files),
+    # however slowly they start on a busy machine.
+    source = f"""
+        import os, pathlib, signal, sys, time
         rank = int(os.environ["HORA_RANK"])
+        flags = pathlib.Path({str(tmp_path)!r})
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if rank == 2:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
         if rank == 1:
-            time.sleep(0.5)
+            deadline = time.monotonic() + 20
+            while not all((flags / f"ready-{{r}}").exists() for r in (0, 2)) and time.monotonic() < deadline:
+                time.sleep(0.01)
             sys.exit(4)
+        (flags / f"ready-{{rank}}").touch()
         time.sleep(30)
     """
     started = time.monotonic()
     result, _ = run_job(source, 3, grace=0.5)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 25
     assert result.first_failure == 1 and result.exit_code == 4
     assert [rank.returncode for rank in result.ranks] == [-signal.SIGKILL, 4, 5]
     assert result.running_at_stop == (0, 2)
