@@ -301,10 +301,9 @@ def hierarchical_job() -> dict:
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
-    runtime = __import__("hora.api", fromlist=["current"]).current()
-    collectives = runtime.engine._collectives_for(tuple(range(n)))
-    kind = type(collectives).__name__
-    paths = [getattr(collectives, "hierarchical_allreduce", False), getattr(collectives, "hierarchical_allgather", False)]
+    stats = __import__("hora.api", fromlist=["current"]).current().engine.stats()
+    kind = stats.algorithm
+    paths = [stats.hierarchical_allreduce, stats.hierarchical_allgather]
     problems: list[str] = []
     for count in (1, 7, 1000, 3 * (1 << 20) + 5):  # tiny, uneven, and many pipeline chunks
         mine = np.arange(count, dtype=np.float64) + me

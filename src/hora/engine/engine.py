@@ -35,6 +35,7 @@ every worker has left.
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import logging
 import os
 import sys
@@ -83,6 +84,23 @@ def check_interpreter() -> None:
             "hora does not run on a free-threaded Python with the GIL disabled yet: its engine relies on the "
             "GIL to order what its threads share. Run with PYTHON_GIL=1 (or -X gil=1), or a regular build."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What an engine has chosen and done, for tests and diagnostics (``Engine.stats``).
+
+    Attributes:
+        lane_succeeded: allreduces the fast lane completed; None when there is no lane.
+        algorithm: the kind of collectives the global set runs (a class name).
+        hierarchical_allreduce: the global set's allreduce is hierarchical.
+        hierarchical_allgather: the global set's allgather is hierarchical.
+    """
+
+    lane_succeeded: int | None
+    algorithm: str
+    hierarchical_allreduce: bool
+    hierarchical_allgather: bool
 
 
 class Engine:
@@ -165,6 +183,17 @@ class Engine:
 
     def _collectives_for(self, ranks: tuple[int, ...]) -> Collectives:
         return self._choice(ranks)
+
+    def stats(self) -> EngineStats:
+        """What this engine has chosen and done so far (see ``EngineStats``)."""
+        lane = self.control.lane
+        collectives = self._collectives_for(tuple(range(self.size)))
+        return EngineStats(
+            lane_succeeded=None if lane is None else lane.succeeded,
+            algorithm=type(collectives).__name__,
+            hierarchical_allreduce=bool(getattr(collectives, "hierarchical_allreduce", False)),
+            hierarchical_allgather=bool(getattr(collectives, "hierarchical_allgather", False)),
+        )
 
     # ----- called from user threads -----
 
