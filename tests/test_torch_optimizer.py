@@ -487,6 +487,15 @@ def side_effects_job() -> dict:
         out["inside skip"] = wrapped._should_synchronize
         wrapped.step()
     out["after step"] = (wrapped._synchronized, wrapped._should_synchronize, wrapped.backward_passes_per_step)
+    # A rank whose optimizer has fewer parameters than the root's raises; nobody waits.
+    big = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    mine = big if me == 0 else torch.nn.Linear(2, 2)
+    try:
+        hvd.broadcast_optimizer_state(torch.optim.Adam(mine.parameters(), lr=0.1), root_rank=0)
+        out["fewer parameters"] = "no error"
+    except ValueError as exc:
+        out["fewer parameters"] = str(exc)
+    out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
     hvd.shutdown()
     return out
 
@@ -509,3 +518,8 @@ def test_side_effects_and_attributes_are_horovods(size):
         assert out["same grad object"]
         assert out["inside skip"] is False
         assert out["after step"] == (False, True, 2)
+        if rank == 0:
+            assert out["fewer parameters"] == "no error"
+        else:
+            assert "that this rank's lacks" in out["fewer parameters"], out["fewer parameters"]
+        assert out["after"] == size

@@ -98,7 +98,7 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
             for process_set in sets:
                 if not isinstance(process_set, ProcessSet):
                     raise ValueError(f"process_sets must hold ProcessSet objects; got {process_set!r}")
-        _configure_logging(config)
+        logs.configure(config.log_level, config.log_hide_time)
         ignored = config.extras.unsupported()
         if ignored and config.topology.rank == 0:
             log.warning(
@@ -452,7 +452,3 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(cloudpickle.loads(data[offset : offset + int(length)].tobytes()))
         offset += int(length)
     return out
-
-
-def _configure_logging(config: Config) -> None:
-    logs.configure(config.log_level, config.log_hide_time)

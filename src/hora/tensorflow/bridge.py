@@ -143,7 +143,7 @@ ADAPTER = TensorflowAdapter()
 
 
 def check_dtype(tensor: Any, what: str) -> None:
-    """Raises ValueError at once (also while tracing) for a dtype hora cannot move."""
+    """Raises ValueError for a dtype hora cannot move (a check ``check_traced`` runs while tracing)."""
     try:
         data_type_of(np.dtype(tensor.dtype.as_numpy_dtype))
     except (TypeError, ValueError) as exc:
