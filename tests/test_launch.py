@@ -24,7 +24,7 @@ import pytest
 from hora import config as config_module
 from hora.bootstrap import topology_from_hosts
 from hora.config import Config
-from hora.launchers import block_cross, detect, expand_hostlist, parse_tasks_per_node, slurm_port
+from hora.config.launchers import block_cross, detect, expand_hostlist, parse_tasks_per_node, slurm_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

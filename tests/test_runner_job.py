@@ -68,7 +68,7 @@ def test_rank_env_layers_and_start_timeout_inheritance() -> None:
     assert env["HORA_RANK"] == "1" and env["USER_VAR"] == "1" and env["PATH"] == "/bin"
     assert "HORA_START_TIMEOUT" not in env and env["HOROVOD_START_TIMEOUT"] == "44"  # inherited, read via the alias
     assert env["HORA_SECRET"] == "01" * 32
-    tuned = LaunchSettings(command=("x",), num_proc=2, start_timeout=5, tuning=Tuning(fusion_threshold_mb=0.5))
+    tuned = LaunchSettings(command=("x",), num_proc=2, start_timeout=5, tuning=Tuning({"HORA_FUSION_THRESHOLD": 512 * 1024}))
     env = rank_env({}, tuned, slot, ("127.0.0.1", 5), b"\x01" * 32)
     assert env["HORA_START_TIMEOUT"] == "5.0" and env["HORA_FUSION_THRESHOLD"] == str(512 * 1024)
 

@@ -4,7 +4,7 @@
 
 * under ``horarun`` the launcher runs the server and every rank's environment names it;
 * under ``mpirun``, ``srun`` or torchrun-style variables rank 0 runs the server itself
-  (``RendezvousServer`` in its own process) at the address and port ``hora.launchers``
+  (``RendezvousServer`` in its own process) at the address and port ``hora.config.launchers``
   worked out, and stops it once the job's connections are made;
 * under ``mpirun`` with whatever the environment left open (no ``HORA_SECRET``, no
   address or port), rank 0 creates it: a fresh secret, a free port, its own address,

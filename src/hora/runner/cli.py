@@ -2,8 +2,9 @@
 
 ``horarun -np 4 python train.py`` runs ``python train.py`` as ranks 0-3 on this
 machine; ``-H host1:2,host2:2`` or ``--hostfile FILE`` says where the ranks run
-(``localhost:<np>`` by default; other hosts are reached over ssh). The tuning flags
-become the ``HORA_*`` variables ``hora.config`` reads (see ``hora.runner.settings``);
+(``localhost:<np>`` by default; other hosts are reached over ssh). Every knob
+flag is declared with its variable in ``hora.config.knobs`` and reaches the ranks as
+that variable (``hora.runner.settings.Tuning``);
 ``--config-file`` reads the same settings from horovodrun's YAML sections
 (``hora.runner.config_file``), the command line winning. ``horarun --check-build``
 prints what this installation can do; ``horarun doctor -H ...`` checks a cluster
@@ -20,38 +21,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hora import config
+from hora.config import knobs
 from hora.runner import config_file
 from hora.runner.arguments import USAGE_ERROR, Parser, number
 from hora.runner.launch import launch
 from hora.runner.settings import LaunchSettings, Tuning, parse_assignment
 from hora.version import __version__
 
-def _log_level(text: str) -> str:
-    if text.upper() not in config.LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected one of {', '.join(config.LOG_LEVELS)}")
-    return text.upper()
-
-
-# Flags that only pass a value on to the ranks: destination -> (variable, how to write the value).
-_PASS_ON: dict[str, tuple[str, Callable[[Any], str]]] = {
-    "hierarchical_allreduce": ("HORA_HIERARCHICAL_ALLREDUCE", lambda v: "1" if v else "0"),
-    "hierarchical_allgather": ("HORA_HIERARCHICAL_ALLGATHER", lambda v: "1" if v else "0"),
-    "torus_allreduce": ("HORA_TORUS_ALLREDUCE", lambda v: "1" if v else "0"),
-    "autotune": ("HORA_AUTOTUNE", lambda v: "1" if v else "0"),
-    "autotune_log_file": ("HORA_AUTOTUNE_LOG", str),
-    "autotune_warmup_samples": ("HORA_AUTOTUNE_WARMUP_SAMPLES", lambda v: str(int(v))),
-    "autotune_steps_per_sample": ("HORA_AUTOTUNE_STEPS_PER_SAMPLE", lambda v: str(int(v))),
-    "autotune_bayes_opt_max_samples": ("HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", lambda v: str(int(v))),
-    "autotune_gaussian_process_noise": ("HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", repr),
-    "timeline_filename": ("HORA_TIMELINE", str),
-    "timeline_mark_cycles": ("HORA_TIMELINE_MARK_CYCLES", lambda v: "1" if v else "0"),
-    "mpi_threads_disable": ("HORA_MPI_THREADS_DISABLE", lambda v: "1" if v else "0"),
-    "num_nccl_streams": ("HORA_NUM_NCCL_STREAMS", lambda v: str(int(v))),
-    "thread_affinity": ("HORA_THREAD_AFFINITY", str),
-    "ccl_bgt_affinity": ("HOROVOD_CCL_BGT_AFFINITY", lambda v: str(int(v))),
-    "tcp": ("NCCL_IB_DISABLE", lambda v: "1"),
-}
 _ELASTIC = ("min_num_proc", "max_num_proc", "slots_per_host", "elastic_timeout", "reset_limit",
             "blacklist_cooldown_range", "host_discovery_script")  # fmt: skip
 
@@ -102,12 +78,6 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--env", dest="env", metavar="NAME=VALUE", action="append", default=[], help="set NAME=VALUE for every rank"
     )
-    parser.add_argument(
-        "--start-timeout",
-        metavar="SECONDS",
-        type=number(float, 0, strict=True),
-        help="seconds ranks wait for each other at start-up (default: HORA_START_TIMEOUT or 30)",
-    )
     parser.add_argument("--verbose", action="store_true", help="print the rank placement and the rendezvous port")
     parser.add_argument(
         "--output-filename", metavar="DIR", help="also write each rank's output to DIR/rank.<rank>/{stdout,stderr}"
@@ -125,38 +95,7 @@ def make_parser() -> argparse.ArgumentParser:
     _flag(controller, "--mpi", dest="controller", const="mpi", help="start the ranks with mpirun; MPI carries the data")
     _flag(controller, "--jsrun", dest="controller", const="jsrun", help="IBM jsrun (not supported)")
 
-    tuning = parser.add_argument_group("tuning (passed to the ranks as HORA_* variables)")
-    for flag, metavar, parse, text in (
-        ("--fusion-threshold-mb", "MB", number(float, 0), "fusion buffer size in MiB (0: off)"),
-        ("--cycle-time-ms", "MS", number(float, 0), "ms to gather tensors before negotiating"),
-        ("--cache-capacity", "N", number(int, 0), "response cache entries (0: off)"),
-        ("--stall-check-warning-time-seconds", "SECONDS", number(float, 0, strict=True), "seconds before a warning"),
-        ("--stall-check-shutdown-time-seconds", "SECONDS", number(float, 0), "seconds before shutdown (0: never)"),
-        ("--log-level", "LEVEL", _log_level, f"one of {', '.join(config.LOG_LEVELS)}"),
-        ("--autotune-log-file", "FILE", str, "where the autotuner logs its samples"),
-        ("--autotune-warmup-samples", "N", number(int, 0), "samples the autotuner discards first"),
-        ("--autotune-steps-per-sample", "N", number(int, 1), "steps per autotune sample"),
-        ("--autotune-bayes-opt-max-samples", "N", number(int, 1), "samples of Bayesian optimisation"),
-        ("--autotune-gaussian-process-noise", "X", number(float, 0, high=1), "noise in [0, 1]"),
-        ("--timeline-filename", "FILE", str, "write a timeline (rank 0)"),
-        ("--num-nccl-streams", "N", number(int, 1), "NCCL streams (GPU jobs)"),
-        ("--thread-affinity", "CORES", str, "core of the engine thread per local rank"),
-        ("--ccl-bgt-affinity", "CORE", number(int, 0), "oneCCL background thread core"),
-        ("--gloo-timeout-seconds", "SECONDS", number(float, 0, strict=True), "as --start-timeout"),
-    ):
-        tuning.add_argument(flag, metavar=metavar, type=parse, default=None, help=text)
-    _flag(tuning, "--disable-cache", dest="disable_cache", help="turn the response cache off")
-    _flag(tuning, "--no-stall-check", dest="no_stall_check", help="turn the stall inspector off")
-    _flag(tuning, "--log-without-timestamp", "--log-hide-timestamp", dest="log_without_timestamp",
-          help="leave the time out of hora's log lines")  # fmt: skip
-    _flag(tuning, "--autotune", dest="autotune", help="tune fusion and cycle time while training")
-    _flag(tuning, "--timeline-mark-cycles", dest="timeline_mark_cycles", help="mark cycles in the timeline")
-    _flag(tuning, "--mpi-threads-disable", dest="mpi_threads_disable", help="MPI without threads")
-    _flag(tuning, "--tcp", dest="tcp", help="TCP only for NCCL (NCCL_IB_DISABLE=1)")
-    for name in ("hierarchical-allreduce", "hierarchical-allgather", "torus-allreduce"):
-        dest = name.replace("-", "_")
-        _flag(tuning, f"--{name}", dest=dest, help=f"use the {name.replace('-', ' ')}")
-        _flag(tuning, f"--no-{name}", dest=dest, const=False, help=f"do not use the {name.replace('-', ' ')}")
+    _add_knob_flags(parser)
     mpi_only = parser.add_argument_group("MPI launch (with --mpi)")
     mpi_only.add_argument("--mpi-args", metavar="ARGS", default=None, help="extra mpirun arguments")
     mpi_only.add_argument("--binding-args", metavar="ARGS", default=None, help="mpirun binding arguments")
@@ -172,7 +111,37 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_CONFIGURABLE = {dest for keys in config_file.KEYS.values() for dest, _, _ in keys.values()} | {"controller"}
+def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds a flag for every ``Option`` of ``hora.config.knobs``; a knob's flags share its dest."""
+    group = parser.add_argument_group("knobs (passed to the ranks as the variables of docs/configuration.md)")
+    for knob in knobs.KNOBS:
+        target = group.add_mutually_exclusive_group() if len(knob.options) > 1 else group
+        for option in knob.options:
+            if option.metavar is None:
+                target.add_argument(*option.names, dest=knob.dest, action="store_const", const=option.const,
+                                    default=None, help=option.help)  # fmt: skip
+            else:
+                target.add_argument(*option.names, dest=knob.dest, metavar=option.metavar,
+                                    type=_option_type(knob, option), default=None, help=option.help)  # fmt: skip
+
+
+def _option_type(knob: knobs.Knob, option: knobs.Option) -> Callable[[str], Any]:
+    """The argparse type of a flag: its text parsed and checked, in the knob's units."""
+    kind = option.kind or knob.kind
+
+    def parse(text: str) -> Any:
+        try:
+            return knob.from_option(option, kind.parse(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {kind.accepted}") from None
+
+    return parse
+
+
+def _knob_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs the command line (or the config file) set, by variable name."""
+    return {knob.name: getattr(args, knob.dest) for knob in knobs.KNOBS
+            if knob.options and getattr(args, knob.dest, None) is not None}  # fmt: skip
 
 
 def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
@@ -195,7 +164,9 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
 
         print(report())
         return None
-    given = {dest for dest in _CONFIGURABLE if getattr(args, dest, None) is not None}
+    given = {knobs.BY_NAME[name].dest for name in _knob_values(args)}
+    if args.controller is not None:
+        given.add("controller")
     if args.config_file is not None:
         try:
             config_file.apply(args, args.config_file, given)
@@ -222,9 +193,8 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
             env[name] = value
     except ValueError as exc:
         parser.error(str(exc))
-    extra = {variable: write(getattr(args, dest)) for dest, (variable, write) in _PASS_ON.items()
-             if getattr(args, dest, None) is not None}  # fmt: skip
-    start_timeout = args.start_timeout if args.start_timeout is not None else args.gloo_timeout_seconds
+    values = _knob_values(args)
+    start_timeout = values.pop("HORA_START_TIMEOUT", None)
     return LaunchSettings(
         command=tuple(args.command),
         num_proc=int(args.num_proc),
@@ -234,18 +204,7 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
         verbose=args.verbose,
         output_filename=args.output_filename,
         prefix_timestamp=args.prefix_timestamp,
-        tuning=Tuning(
-            fusion_threshold_mb=args.fusion_threshold_mb,
-            cycle_time_ms=args.cycle_time_ms,
-            cache_capacity=None if args.cache_capacity is None else int(args.cache_capacity),
-            disable_cache=bool(args.disable_cache),
-            no_stall_check=bool(args.no_stall_check),
-            stall_check_warning_time_seconds=args.stall_check_warning_time_seconds,
-            stall_check_shutdown_time_seconds=args.stall_check_shutdown_time_seconds,
-            log_level=args.log_level,
-            log_without_timestamp=bool(args.log_without_timestamp),
-            extra=extra,
-        ),
+        tuning=Tuning(values),
         env=env,
         forward_env=tuple(forward),
         ssh_port=None if args.ssh_port is None else int(args.ssh_port),

@@ -32,8 +32,8 @@ file's::
       level: INFO
       hide_timestamp: true
 
-Each key maps to the ``argparse`` destination of the flag with the same meaning
-(``KEYS``). An unknown section or key, or a value of the wrong type, is an error that
+Each key sets the knob that declares it (``hora.config.knobs``: ``Knob.yaml``), as the
+knob's flag would. An unknown section or key, or a value of the wrong type, is an error that
 names the file, the key and what is accepted.
 """
 
@@ -43,45 +43,25 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-# section -> key -> (argparse destination, type, invert): invert turns "enabled" into "no_..." flags.
-KEYS: dict[str, dict[str, tuple[str, type, bool]]] = {
-    "params": {
-        "fusion_threshold_mb": ("fusion_threshold_mb", float, False),
-        "cycle_time_ms": ("cycle_time_ms", float, False),
-        "cache_capacity": ("cache_capacity", int, False),
-        "hierarchical_allreduce": ("hierarchical_allreduce", bool, False),
-        "hierarchical_allgather": ("hierarchical_allgather", bool, False),
-        "torus_allreduce": ("torus_allreduce", bool, False),
-    },
-    "autotune": {
-        "enabled": ("autotune", bool, False),
-        "log_file": ("autotune_log_file", str, False),
-        "warmup_samples": ("autotune_warmup_samples", int, False),
-        "steps_per_sample": ("autotune_steps_per_sample", int, False),
-        "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int, False),
-        "gaussian_process_noise": ("autotune_gaussian_process_noise", float, False),
-    },
-    "timeline": {
-        "filename": ("timeline_filename", str, False),
-        "mark_cycles": ("timeline_mark_cycles", bool, False),
-    },
-    "stall_check": {
-        "enabled": ("no_stall_check", bool, True),
-        "warning_time_seconds": ("stall_check_warning_time_seconds", float, False),
-        "shutdown_time_seconds": ("stall_check_shutdown_time_seconds", float, False),
-    },
-    "library_options": {
-        "mpi_threads_disable": ("mpi_threads_disable", bool, False),
-        "num_nccl_streams": ("num_nccl_streams", int, False),
-        "ccl_bgt_affinity": ("ccl_bgt_affinity", int, False),
-        "gloo_timeout_seconds": ("gloo_timeout_seconds", float, False),
-        "thread_affinity": ("thread_affinity", str, False),
-    },
-    "logging": {
-        "level": ("log_level", str, False),
-        "hide_timestamp": ("log_without_timestamp", bool, False),
-    },
-}
+from hora.config import knobs
+
+
+
+# horovodrun's sections, in its order.
+SECTIONS = ("params", "autotune", "timeline", "stall_check", "library_options", "logging")
+
+
+def _keys() -> dict[str, dict[str, knobs.Knob]]:
+    """section -> key -> the knob it sets, from the knobs' ``yaml`` declarations."""
+    keys: dict[str, dict[str, knobs.Knob]] = {section: {} for section in SECTIONS}
+    for knob in knobs.KNOBS:
+        if knob.yaml is not None:
+            section, key = knob.yaml.split(".")
+            keys[section][key] = knob  # KeyError: a section horovodrun lacks
+    return keys
+
+
+KEYS = _keys()
 CONTROLLERS = ("gloo", "mpi")
 
 
@@ -156,8 +136,20 @@ def apply(args: argparse.Namespace, path: str, given: set[str]) -> None:
                 raise ValueError(
                     f"--config-file {path}: unknown key {section}.{key}: expected one of {', '.join(keys)}"
                 )
-            dest, kind, invert = keys[key]
-            typed = _typed(value, kind, f"--config-file {path}: {section}.{key}")
-            if dest in given:
-                continue
-            setattr(args, dest, (not typed) if invert else typed)
+            knob = keys[key]
+            if knob.dest not in given:
+                setattr(args, knob.dest, _value(knob, value, f"--config-file {path}: {section}.{key}"))
+
+
+def _value(knob: knobs.Knob, value: Any, where: str) -> Any:
+    """The knob's value for a key's: typed as the knob's flag takes it, checked, in the knob's units."""
+    option = next((option for option in knob.options if option.metavar is not None), None)
+    if option is None:  # flags without a value: the key is true or false
+        typed = _typed(value, bool, where)
+        return not typed if knob.yaml_invert else typed
+    kind = option.kind or knob.kind
+    typed = _typed(value, kind.yaml_type, where)
+    try:
+        return knob.from_option(option, kind.check(typed))
+    except ValueError:
+        raise ValueError(f"{where}: {value!r} is not valid: expected {kind.accepted}") from None

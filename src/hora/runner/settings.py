@@ -28,11 +28,12 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from hora import config
+from hora.config import knobs
 from hora.runner.hosts import SlotInfo
 
-DEFAULT_START_TIMEOUT = 30.0
+DEFAULT_START_TIMEOUT: float = knobs.BY_NAME["HORA_START_TIMEOUT"].default
 # What a remote rank gets from horarun's environment besides what horarun sets.
 FORWARDED = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
              "LANG", "LANGUAGE", "OMP_NUM_THREADS", "TZ")  # fmt: skip
@@ -54,78 +55,34 @@ def parse_assignment(text: str, flag: str) -> tuple[str, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """The runtime knobs ``horarun`` takes as flags; None leaves a knob at its default.
+    """Knobs ``horarun``'s flags (or its config file) set, passed on to the ranks.
 
     Attributes:
-        fusion_threshold_mb: ``--fusion-threshold-mb`` (MiB; 0 disables fusion).
-        cycle_time_ms: ``--cycle-time-ms``.
-        cache_capacity: ``--cache-capacity`` (entries).
-        disable_cache: ``--disable-cache`` (capacity 0).
-        no_stall_check: ``--no-stall-check``.
-        stall_check_warning_time_seconds: ``--stall-check-warning-time-seconds``.
-        stall_check_shutdown_time_seconds: ``--stall-check-shutdown-time-seconds``.
-        log_level: ``--log-level`` (one of ``hora.config.LOG_LEVELS``).
-        log_without_timestamp: ``--log-without-timestamp``.
-        extra: further ``HORA_*`` variables set by flags that only pass a value on
-            (timeline, autotune, hierarchical algorithms, ...).
+        values: variable name (a knob of ``hora.config.knobs``) -> value, in the
+            variable's units (bytes for ``HORA_FUSION_THRESHOLD``); a knob not named
+            stays at what the ranks' environment says, else its default.
     """
 
-    fusion_threshold_mb: float | None = None
-    cycle_time_ms: float | None = None
-    cache_capacity: int | None = None
-    disable_cache: bool = False
-    no_stall_check: bool = False
-    stall_check_warning_time_seconds: float | None = None
-    stall_check_shutdown_time_seconds: float | None = None
-    log_level: str | None = None
-    log_without_timestamp: bool = False
-    extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
-        """Checks every value against what the runtime accepts.
+        """Checks every value against what its knob accepts.
 
         Raises:
-            ValueError: a value is out of range, naming the flag and the value.
+            ValueError: an unknown knob, or a value it does not accept, naming both.
         """
-        for flag, value in (
-            ("--fusion-threshold-mb", self.fusion_threshold_mb),
-            ("--cycle-time-ms", self.cycle_time_ms),
-            ("--cache-capacity", self.cache_capacity),
-            ("--stall-check-shutdown-time-seconds", self.stall_check_shutdown_time_seconds),
-        ):
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{flag}={value} is not valid: expected a number >= 0")
-        warning = self.stall_check_warning_time_seconds
-        if warning is not None and not (math.isfinite(warning) and warning > 0):
-            raise ValueError(f"--stall-check-warning-time-seconds={warning} is not valid: expected a number > 0")
-        if self.log_level is not None and self.log_level.upper() not in config.LOG_LEVELS:
-            raise ValueError(
-                f"--log-level={self.log_level} is not valid: expected one of {', '.join(config.LOG_LEVELS)}"
-            )
+        for name, value in self.values.items():
+            knob = knobs.BY_NAME.get(name)
+            if knob is None:
+                raise ValueError(f"{name} is not a knob: expected one of {', '.join(knobs.names())}")
+            try:
+                knob.kind.check(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}={value!r} is not valid: expected {knob.kind.accepted}") from None
 
     def env(self) -> dict[str, str]:
-        """Returns the ``HORA_*`` variables that carry the knobs that were set."""
-        env: dict[str, str] = {}
-        if self.fusion_threshold_mb is not None:
-            env["HORA_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
-        if self.cycle_time_ms is not None:
-            env["HORA_CYCLE_TIME"] = repr(float(self.cycle_time_ms))
-        if self.cache_capacity is not None:
-            env["HORA_CACHE_CAPACITY"] = str(self.cache_capacity)
-        if self.disable_cache:
-            env["HORA_CACHE_CAPACITY"] = "0"
-        if self.no_stall_check:
-            env["HORA_STALL_CHECK_DISABLE"] = "1"
-        if self.stall_check_warning_time_seconds is not None:
-            env["HORA_STALL_CHECK_TIME_SECONDS"] = repr(float(self.stall_check_warning_time_seconds))
-        if self.stall_check_shutdown_time_seconds is not None:
-            env["HORA_STALL_SHUTDOWN_TIME_SECONDS"] = repr(float(self.stall_check_shutdown_time_seconds))
-        if self.log_level is not None:
-            env["HORA_LOG_LEVEL"] = self.log_level.upper()
-        if self.log_without_timestamp:
-            env["HORA_LOG_HIDE_TIME"] = "1"
-        env.update(self.extra)
-        return env
+        """Returns the variables that carry the knobs that were set."""
+        return {name: knobs.BY_NAME[name].kind.write(value) for name, value in self.values.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +234,7 @@ def _with_job(
     env["HORA_RENDEZVOUS_ADDR"] = rendezvous[0]
     env["HORA_RENDEZVOUS_PORT"] = str(rendezvous[1])
     env["HORA_SECRET"] = secret.hex()
-    inherited = any(name in env for name in ("HORA_START_TIMEOUT", *config.ALIASES["HORA_START_TIMEOUT"]))
+    inherited = knobs.BY_NAME["HORA_START_TIMEOUT"].lookup(env) is not None
     if settings.start_timeout is not None:
         env["HORA_START_TIMEOUT"] = repr(float(settings.start_timeout))
     elif not inherited:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import cloudpickle
 
+from hora.config import knobs
+
 PAYLOAD = "payload"
 SYS_PATH = "sys_path.json"
 
@@ -85,11 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code (2 when started without a directory or without ``HORA_RANK``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    rank_text = os.environ.get("HORA_RANK", "")
-    if len(args) != 1 or not rank_text.isdigit():
+    try:
+        rank = knobs.read("HORA_RANK", os.environ)
+    except ValueError:
+        rank = None
+    if len(args) != 1 or rank is None:
         print("usage: HORA_RANK=<rank> python -m hora.runner.task DIR (started by hora.run)", file=sys.stderr)
         return 2
-    return run_task(args[0], int(rank_text))
+    return run_task(args[0], rank)
 
 
 if __name__ == "__main__":
