@@ -141,6 +141,10 @@ def killed_rank_job(victim: int) -> str:
     x = np.ones(1 << 16, dtype=np.float32)
     hvd.allreduce(x, name="warm-up")
     if hvd.rank() == victim:
+        # Shapes the scenario only: the others are most likely waiting in 'step 0' (which
+        # needs the victim) by then. The test holds whenever the kill lands: the victim's
+        # warm-up returned only once every rank had done its part of it, and the others
+        # fail the same way waiting in 'step 0' or submitting it.
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
     errors = []
@@ -205,23 +209,37 @@ def test_horarun_names_the_rank_that_sent_a_malformed_frame_first():
     assert summary and "rank 1 failed first" in summary[0], proc.stderr
 
 
-def stall_job(cached: bool) -> str:
+def stall_job(cached: bool, flags: str) -> str:
+    import pathlib
     import time
 
     import hora.numpy as hvd
+    from hora.api import current
 
     hvd.init()
+    idle = pathlib.Path(flags) / "rank1-idle"
     if cached:  # 'lonely' is cached and small: rank 0's wait below is on the fast lane
         for _ in range(3):
             hvd.allreduce(np.ones(2), name="lonely")
     if hvd.rank() == 0:
-        time.sleep(0.2)  # rank 1 is idle by then
+        # Rank 1 is idle first: not busy on the fast lane, which would refuse the proposal.
+        deadline = time.monotonic() + 30
+        while not idle.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         try:
             hvd.allreduce(np.ones(2), name="lonely")
             return "no error"
         except hvd.HoraInternalError as exc:
             return str(exc)
-    time.sleep(8)  # never submits 'lonely'; the stall shutdown ends the job first
+    engine = current().engine
+    deadline = time.monotonic() + 30
+    while not engine.stats().idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    idle.touch()
+    # Never submits 'lonely': waits until the stall shutdown has ended the job here too.
+    deadline = time.monotonic() + 20
+    while engine.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         hvd.allreduce(np.ones(2), name="late")
         return "no error"
@@ -231,9 +249,9 @@ def stall_job(cached: bool) -> str:
 
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.timeout(60)
-def test_stall_inspector_warns_then_shuts_down(cached):
+def test_stall_inspector_warns_then_shuts_down(cached, tmp_path):
     env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
-    results = run_ranks(2, stall_job, cached, env=env, check=False)
+    results = run_ranks(2, stall_job, cached, str(tmp_path), env=env, check=False)
     assert "Missing ranks:\n1: [allreduce.lonely]" in results[0].output
     for result in results:
         assert "stalled for longer than 3 s" in result.value, result.value

@@ -11,6 +11,7 @@ import os
 import secrets
 import select
 import signal
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -162,9 +163,33 @@ def test_only_lone_small_global_allreduces_ride_the_lane():
 # ----- ranks -----
 
 
-def lane_results_job(rounds: int) -> list:
+def _wait_until(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Polls ``condition`` until it holds, or ``seconds`` pass (then the rank goes on, and
+    the test's checks say what went wrong): a signal from another rank, or a fact of this
+    rank's engine, which a busy machine may be slow to give."""
     import time
 
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _idle_barrier(flags: str, name: str) -> None:
+    """Returns once every rank's engine is idle (``EngineStats.idle``): each waits for its
+    own, says so in a flag file ``<name>-<rank>`` under ``flags``, and waits for every rank's."""
+    import pathlib
+
+    import hora.numpy as hvd
+    from hora.api import current
+
+    engine = current().engine
+    _wait_until(lambda: engine.stats().idle)
+    folder = pathlib.Path(flags)
+    (folder / f"{name}-{hvd.rank()}").touch()
+    _wait_until(lambda: all((folder / f"{name}-{rank}").exists() for rank in range(hvd.size())))
+
+
+def lane_results_job(rounds: int, flags: str) -> list:
     import hora.numpy as hvd
 
     hvd.init()
@@ -184,7 +209,9 @@ def lane_results_job(rounds: int) -> list:
             out.append(hvd.allreduce(value, op=op, name=f"case{index}", prescale_factor=1.0).tolist())
         big = hvd.allreduce(np.full(8192, me, dtype=np.float32), op=hvd.Sum, name="big")  # 32 KiB: coordinator's path
         out.append(float(big[0]))
-        time.sleep(0.02)  # quiet moments: every rank is idle when the next step starts
+        # Quiet moments: every rank is idle (not busy on the lane) when the next step
+        # starts, so its first allreduce rides the lane on every rank alike.
+        _idle_barrier(flags, f"step{step}")
     from hora.api import current
 
     succeeded = current().engine.stats().lane_succeeded
@@ -195,9 +222,9 @@ def lane_results_job(rounds: int) -> list:
 @pytest.mark.ranks
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.timeout(120)
-def test_results_are_exact_whichever_path_a_step_takes(size):
+def test_results_are_exact_whichever_path_a_step_takes(size, tmp_path):
     rounds = 6
-    results = run_ranks(size, lane_results_job, rounds, timeout=100)
+    results = run_ranks(size, lane_results_job, rounds, str(tmp_path), timeout=100)
     outs = [r[0] for r in results]
     assert all(out == outs[0] for out in outs)  # every rank got the same bits
     total = lambda step: sum(r + 1 + step for r in range(size))  # noqa: E731
@@ -212,7 +239,8 @@ def test_results_are_exact_whichever_path_a_step_takes(size):
         assert row[5] == [product] * 2
         assert row[6] == sum(range(size))
     if size > 1:
-        # Cached, small, quiet: the lane carried some of these (how many depends on timing).
+        # Cached, small, quiet: the lane carried some of these (the first of every step but
+        # the first; how many more depends on timing).
         assert all(r[1] > 0 for r in results), [r[1] for r in results]
 
 
@@ -361,7 +389,10 @@ def poll_only_job() -> list:
             time.sleep(0.002)
         out.append(hvd.synchronize(handle).tolist())
         if me == 0:
-            time.sleep(0.05)  # rank 1 proposes first and then only polls
+            # Shapes the scenario only: rank 1 most likely proposes first and then only
+            # polls, so its own engine thread must finish the step. Whichever rank
+            # proposes first, nobody waits, and the results are checked the same.
+            time.sleep(0.05)
     hvd.shutdown()
     return out
 
@@ -373,21 +404,36 @@ def test_a_lane_proposal_nobody_waits_for_finishes():
         assert out == [[float(1 + 2 * step)] * 2 for step in range(6)]
 
 
-def leaving_job(how: str) -> str:
-    import time
+def leaving_job(how: str, flags: str) -> str:
+    import pathlib
+    import threading
 
     import hora.numpy as hvd
+    from hora.api import current
 
     hvd.init()
     me = hvd.rank()
+    folder = pathlib.Path(flags)
     for _ in range(5):
         hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+    engine = current().engine
     if me == 1:
-        time.sleep(0.5)  # rank 0 waits on the lane meanwhile
+        # Idle, rank 1 does not refuse rank 0's next proposal; it leaves only once rank 0
+        # waits on the lane for that proposal, which it never answers.
+        _wait_until(lambda: engine.stats().idle)
+        (folder / "idle").touch()
+        _wait_until((folder / "waiting").exists)
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         hvd.shutdown()
         return "left"
+    _wait_until((folder / "idle").exists)
+
+    def say_when_waiting() -> None:  # the main thread is in the allreduce below meanwhile
+        _wait_until(lambda: engine.stats().lane_pending)
+        (folder / "waiting").touch()
+
+    threading.Thread(target=say_when_waiting, daemon=True).start()
     try:
         hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
         return "no error"
@@ -398,8 +444,8 @@ def leaving_job(how: str) -> str:
 @pytest.mark.ranks
 @pytest.mark.parametrize("how", ["kill", "shutdown"])
 @pytest.mark.timeout(60)
-def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how):
-    results = run_ranks(2, leaving_job, how, check=False)
+def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how, tmp_path):
+    results = run_ranks(2, leaving_job, how, str(tmp_path), check=False)
     assert results[0].returncode == 0, results[0].output
     if how == "kill":
         assert results[1].returncode == -signal.SIGKILL

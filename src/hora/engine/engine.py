@@ -95,12 +95,27 @@ class EngineStats:
         algorithm: the kind of collectives the global set runs (a class name).
         hierarchical_allreduce: the global set's allreduce is hierarchical.
         hierarchical_allgather: the global set's allgather is hierarchical.
+        idle: no engine pass runs and nothing of this rank's is in flight: no tensor
+            queued, negotiating, on the fast lane or executing, no response or control
+            frame left to handle, and the engine is not stopping or finished. The last
+            pass then published this rank as not busy on the fast lane (unless rank 0
+            records a timeline), so a peer's lane proposal waits for this rank's next
+            allreduce instead of being refused. Read under the engine's lock, taken only
+            if free (a thread in a pass, or waiting for a handle, holds it: then False).
+            On rank 0 the coordinator may still hold other ranks' requests.
+        lane_pending: this rank has a fast-lane proposal awaiting the others' answers;
+            it stays pending until a pass settles it (every rank answered, or one left)
+            or the job fails. Read without the engine's lock (one attribute, racy like
+            ``TensorQueue.has_new``): a snapshot, which a thread waiting on the lane
+            while holding the lock does not hold up.
     """
 
     lane_succeeded: int | None
     algorithm: str
     hierarchical_allreduce: bool
     hierarchical_allgather: bool
+    idle: bool
+    lane_pending: bool
 
 
 class Engine:
@@ -193,7 +208,45 @@ class Engine:
             algorithm=type(collectives).__name__,
             hierarchical_allreduce=bool(getattr(collectives, "hierarchical_allreduce", False)),
             hierarchical_allgather=bool(getattr(collectives, "hierarchical_allgather", False)),
+            idle=self._idle(),
+            lane_pending=lane is not None and lane.pending is not None,
         )
+
+    def _idle(self) -> bool:
+        """``EngineStats.idle``: looks under ``_drive`` if it is free, and never waits for it.
+
+        Every pass that executes a response ends by publishing whether this rank is busy
+        on the fast lane (``ControlPlane.run_pass``), and every tensor sent the
+        coordinator's way stays queued until a pass executes it; so with the lock free
+        and the queue empty, the last word published is "not busy". Nothing changes
+        here, so the plan published last stays valid; letting go rings the bells as
+        every release must (``drive``), and on the main thread the shield is up while
+        the lock is held (``submit_many``): raised only before ``stop`` (which restores
+        the handlers the shield wraps).
+        """
+        if self._finished or self._stop_requested:
+            return False
+        shielded = self._shield.enter()
+        try:
+            if not self._drive.acquire(blocking=False):
+                return False  # a pass runs, or a caller waits for a handle holding the lock
+            try:
+                control = self.control
+                return not (
+                    self._finished
+                    or self._stop_requested
+                    or self._caller_error is not None
+                    or len(self.queue) > 0
+                    or self.queue.has_new()
+                    or control.busy()
+                    or (control.lane is not None and control.lane.pending is not None)
+                )
+            finally:
+                self._drive.release()
+                self._ring_bells()
+        finally:
+            if shielded:
+                self._shield.leave()  # runs the signal handlers held back meanwhile (they may raise)
 
     # ----- called from user threads -----
 
