@@ -301,7 +301,7 @@ def hierarchical_job() -> dict:
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
-    stats = __import__("hora.api", fromlist=["current"]).current().engine.stats()
+    stats = __import__("hora.core.api", fromlist=["current"]).current().engine.stats()
     kind = stats.algorithm
     paths = [stats.hierarchical_allreduce, stats.hierarchical_allgather]
     problems: list[str] = []

@@ -119,7 +119,7 @@ def test_fused_allreduce_packed_in_shared_memory(size):
 
 def bad_group_job() -> dict:
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     hvd.init()
     error = ""

@@ -214,7 +214,7 @@ def stall_job(cached: bool, flags: str) -> str:
     import time
 
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     hvd.init()
     idle = pathlib.Path(flags) / "rank1-idle"
@@ -288,7 +288,7 @@ def malformed_frame_job() -> str:
     import struct
 
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     hvd.init()
     try:  # the others may still be in the warm-up when rank 1 breaks the job

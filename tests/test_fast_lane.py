@@ -180,7 +180,7 @@ def _idle_barrier(flags: str, name: str) -> None:
     import pathlib
 
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     engine = current().engine
     _wait_until(lambda: engine.stats().idle)
@@ -212,7 +212,7 @@ def lane_results_job(rounds: int, flags: str) -> list:
         # Quiet moments: every rank is idle (not busy on the lane) when the next step
         # starts, so its first allreduce rides the lane on every rank alike.
         _idle_barrier(flags, f"step{step}")
-    from hora.api import current
+    from hora.core.api import current
 
     succeeded = current().engine.stats().lane_succeeded
     hvd.shutdown()
@@ -409,7 +409,7 @@ def leaving_job(how: str, flags: str) -> str:
     import threading
 
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     hvd.init()
     me = hvd.rank()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hora import config as config_module
-from hora.bootstrap import topology_from_hosts
+from hora.core.bootstrap import topology_from_hosts
 from hora.config import Config
 from hora.config.launchers import block_cross, detect, expand_hostlist, parse_tasks_per_node, slurm_port
 
@@ -365,7 +365,7 @@ def test_check_build_reports_what_is_there() -> None:
 
 
 def test_topology_from_the_hosts_ranks_report() -> None:
-    from hora.bootstrap import topology_from_hosts
+    from hora.core.bootstrap import topology_from_hosts
 
     # mpirun -H a:2,b:1 -np 3: rank 2 is alone on host b, the second host with a local rank 0.
     assert topology_from_hosts(["a", "a", "b"], 2) == (0, 1, 1, 2)

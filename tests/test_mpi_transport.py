@@ -26,7 +26,7 @@ JOB = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from data import ALL, FLOATS, INTS, make, tolerance
     import hora.numpy as hvd
-    from hora.api import current
+    from hora.core.api import current
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
@@ -108,7 +108,7 @@ def test_horarun_mpi_starts_the_job_with_mpirun(system: None, tmp_path: Path) ->
     job = tmp_path / "job.py"
     job.write_text(
         "import numpy as np, hora.numpy as hvd\n"
-        "from hora.api import current\n"
+        "from hora.core.api import current\n"
         "hvd.init()\n"
         "total = hvd.allreduce(np.ones(3) * (hvd.rank() + 1), op=hvd.Sum)\n"
         "print(hvd.rank(), hvd.size(), total.tolist(), type(current().engine._collectives_for((0, 1))).__name__)\n"

@@ -171,7 +171,7 @@ def test_a_rank_without_the_secret_cannot_join():
             "HORA_START_TIMEOUT": "2",
         }
         from hora.config import Config
-        from hora.runtime import Runtime
+        from hora.core.runtime import Runtime
 
         with pytest.raises(HoraInternalError, match="could not reach the rendezvous server"):
             Runtime(Config.from_env(env), 0)

@@ -114,7 +114,7 @@ def _model(tf: Any, me: int) -> tuple[list[Any], Callable[[], Any]]:
 def autodiff_job() -> list[str]:
     import os
 
-    from hora.process_sets import ProcessSet
+    from hora.core.process_sets import ProcessSet
 
     n = int(os.environ["HORA_SIZE"])
     pair = ProcessSet([0, n - 1]) if n > 2 else None  # registered by init (at 2 ranks it would be the global set)

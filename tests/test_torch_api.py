@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.process_sets import global_process_set
+from hora.core.process_sets import global_process_set
 from hora.torch import tensors as tt
 
 N = inspect.Parameter.empty

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 
 import hora.numpy as hvd
-from hora.api import current
+from hora.core.api import current
 
 hvd.init()
 hvd.allreduce(np.ones(2), name="warm-up")

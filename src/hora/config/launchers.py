@@ -30,7 +30,7 @@ Without ``horarun`` there is no launcher-run rendezvous server: rank 0 runs it, 
 
 Local and cross ranks follow Horovod's definitions. Open MPI, MPICH and torchrun name the
 local rank and size but not the host's index; hora then assumes ranks are placed in
-blocks of ``local_size`` (the launchers' default) and ``hora.runtime`` warns when the
+blocks of ``local_size`` (the launchers' default) and ``hora.core.runtime`` warns when the
 hosts the ranks report show otherwise. Slurm names the node and the tasks per node, so
 its cross ranks are exact.
 """

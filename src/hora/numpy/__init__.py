@@ -5,9 +5,9 @@ signatures, defaults), taking and returning NumPy arrays. It is the reference bi
 the tests use and a convenient one for NumPy-only jobs.
 """
 
-from hora import basics as _basics
-from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.api import (
+from hora.core import basics as _basics
+from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
+from hora.core.api import (
     allgather_object,
     barrier,
     broadcast_object,
@@ -74,4 +74,4 @@ __all__ = [
     "reducescatter_async",
     "synchronize",
 ]
-__all__ += _basics.__all__  # the names every binding offers (hora.basics)
+__all__ += _basics.__all__  # the names every binding offers (hora.core.basics)

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from hora import binding, ops
-from hora.api import synchronize
+from hora.core import binding, ops
+from hora.core.api import synchronize
 from hora.collectives.reduce import AVERAGE
 from hora.compression import Compression, Compressor
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 
 
 class NumpyAdapter:

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hora import basics as _basics
-from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.api import is_homogeneous
+from hora.core import basics as _basics
+from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
+from hora.core.api import is_homogeneous
 from hora.compression import Compressor
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.basics import (
@@ -145,4 +145,4 @@ __all__ = [
     "reducescatter",
     "size_op",
 ]
-__all__ += _basics.__all__  # the names every binding offers (hora.basics)
+__all__ += _basics.__all__  # the names every binding offers (hora.core.basics)

@@ -11,8 +11,8 @@ from typing import Any
 
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import api
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core import api
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge, kernels
 
 

@@ -4,7 +4,7 @@ Every collective of ``hora.tensorflow`` is a Python function on *eager* tensors 
 "kernel"). Eagerly it is called at once. Inside ``tf.function`` (and so in Keras'
 ``model.fit``) and TF1 graphs it becomes one ``tf.py_function`` op, which TensorFlow
 runs with eager tensors in the same process. The kernels hand their tensors to the
-core through ``TensorflowAdapter`` and ``hora.binding``, the path every binding shares.
+core through ``TensorflowAdapter`` and ``hora.core.binding``, the path every binding shares.
 
 Memory, per direction:
 
@@ -54,11 +54,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import binding, ops
-from hora.api import current
+from hora.core import binding, ops
+from hora.core.api import current
 from hora.collectives.reduce import data_type_of
-from hora.ops import Handle, RequestType
-from hora.process_sets import ProcessSet
+from hora.core.ops import Handle, RequestType
+from hora.core.process_sets import ProcessSet
 
 ALIGNMENT = 64  # bytes; TensorFlow's kernels assume EIGEN_MAX_ALIGN_BYTES-aligned buffers
 Kernel = Callable[..., Any]

@@ -35,13 +35,13 @@ from typing import Any
 
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import ops
-from hora.api import current
+from hora.core import ops
+from hora.core.api import current
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, PRODUCT, SUM
 from hora.compression import Compressor, NoneCompressor
 from hora.errors import UnsupportedOperationError
-from hora.ops import RequestType
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.ops import RequestType
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge, kernels
 from hora.tensorflow.compression import for_tensorflow
 

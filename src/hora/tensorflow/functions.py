@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hora import api
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core import api
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow.collectives import broadcast_
 
 

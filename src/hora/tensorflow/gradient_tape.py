@@ -25,7 +25,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, SUM
 from hora.compression import Compressor, NoneCompressor
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow.collectives import allreduce, grouped_allreduce
 
 

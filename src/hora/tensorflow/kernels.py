@@ -4,7 +4,7 @@ A kernel is called as ``kernel(key, *tensors)`` (see ``bridge.run``): at once wh
 eager, or as a ``tf.py_function`` op inside a graph, with the key of its unnamed
 collective drawn when the op was built (None when eager: the binding numbers the
 collective when it is called). It hands its tensors to the shared binding core
-(``hora.binding`` with ``bridge.ADAPTER``), which names them, runs the local checks
+(``hora.core.binding`` with ``bridge.ADAPTER``), which names them, runs the local checks
 and queues them, a group all at once or not at all, a failed check failing the
 collective on every rank. The kernel then waits for every handle it queued before
 raising the first error (``bridge.wait_all``), so nothing it queued stays in flight,
@@ -18,8 +18,8 @@ from typing import Any
 
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import binding
-from hora.process_sets import ProcessSet
+from hora.core import binding
+from hora.core.process_sets import ProcessSet
 from hora.tensorflow import bridge
 from hora.tensorflow.bridge import ADAPTER, Kernel
 

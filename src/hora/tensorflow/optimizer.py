@@ -28,7 +28,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora.collectives.reduce import AVERAGE
 from hora.compression import Compressor, NoneCompressor
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow.gradient_tape import GradientReducer
 
 ATTRIBUTE = "_hora_reducer"

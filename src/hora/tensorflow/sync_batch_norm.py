@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora.collectives.reduce import SUM
-from hora.process_sets import global_process_set
+from hora.core.process_sets import global_process_set
 from hora.tensorflow.collectives import allreduce
 
 _BatchNormalization: Any = tf.keras.layers.BatchNormalization

@@ -19,8 +19,8 @@ through host memory. ``is_homogeneous`` lives in ``hora.torch.mpi_ops``, as in H
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 """
 
-from hora import basics as _basics
-from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
+from hora.core import basics as _basics
+from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.torch import mpi_ops
 from hora.torch.functions import (
     allgather_object,
@@ -114,4 +114,4 @@ __all__ = [
     "sparse_allreduce_async",
     "synchronize",
 ]
-__all__ += _basics.__all__  # the names every binding offers (hora.basics)
+__all__ += _basics.__all__  # the names every binding offers (hora.core.basics)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hora.api import synchronize
+from hora.core.api import synchronize
 from hora.collectives.reduce import ADASUM
 from hora.compression import Compressor
 from hora.torch.collectives import allreduce_async_

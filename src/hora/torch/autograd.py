@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from hora import ops
-from hora.api import current, synchronize
+from hora.core import ops
+from hora.core.api import current, synchronize
 from hora.collectives.reduce import AVERAGE, SUM
 from hora.compression import Compression, Compressor
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import collectives as c
 
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hora import binding, ops
-from hora.api import current, synchronize
+from hora.core import binding, ops
+from hora.core.api import current, synchronize
 from hora.collectives.reduce import AVERAGE, SUM
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import tensors as tt
 
 Splits = Sequence[int] | torch.Tensor | None

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from hora.api import allgather_object, broadcast_object, synchronize
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.api import allgather_object, broadcast_object, synchronize
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.collectives import broadcast_async_
 from hora.torch.wrapper import WrappedOptimizer
 

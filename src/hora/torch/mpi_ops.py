@@ -4,9 +4,9 @@
 here only.
 """
 
-from hora import basics as _basics
-from hora.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.api import (
+from hora.core import basics as _basics
+from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
+from hora.core.api import (
     barrier,
     is_homogeneous,
     join,
@@ -89,4 +89,4 @@ __all__ = [
     "sparse_allreduce_async",
     "synchronize",
 ]
-__all__ += _basics.__all__  # the names every binding offers (hora.basics)
+__all__ += _basics.__all__  # the names every binding offers (hora.core.basics)

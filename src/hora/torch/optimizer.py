@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from hora.api import broadcast_object, current, size, synchronize
+from hora.core.api import broadcast_object, current, size, synchronize
 from hora.collectives.reduce import ADASUM, AVERAGE
 from hora.compression import Compression, Compressor
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.collectives import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
 from hora.torch.wrapper import (
     _TOO_MANY_PASSES,

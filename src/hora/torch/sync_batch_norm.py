@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hora.collectives.reduce import SUM
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.autograd import _apply, allgather
 from hora.torch.autograd import allreduce as _allreduce
 

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from hora import ops
+from hora.core import ops
 from hora.collectives.reduce import DataType
 
 _WIRE: dict[torch.dtype, DataType] = {

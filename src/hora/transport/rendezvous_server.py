@@ -1,7 +1,7 @@
 """The rendezvous server: an authenticated key-value store that a job's ranks meet through.
 
 ``horarun`` runs one for its job; without ``horarun`` (under ``mpirun``, ``srun`` or
-torchrun-style variables) rank 0 runs it inside its own process (``hora.runtime``). It
+torchrun-style variables) rank 0 runs it inside its own process (``hora.core.runtime``). It
 lives in the transport layer so that the runtime never imports the launcher.
 
 One thread accepts connections; each connection gets a thread that runs the HMAC

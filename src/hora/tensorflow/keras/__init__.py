@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora.api import (
+from hora.core.api import (
     cross_rank,
     cross_size,
     init,
@@ -38,7 +38,7 @@ from hora.collectives.reduce import AVERAGE as Average
 from hora.collectives.reduce import SUM as Sum
 from hora.compression import Compressor
 from hora.errors import HoraInternalError, HorovodInternalError
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import collectives as _collectives
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.compression import Compression, for_tensorflow

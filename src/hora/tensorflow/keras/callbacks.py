@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora import api
+from hora.core import api
 from hora.collectives.reduce import AVERAGE
-from hora.process_sets import global_process_set
+from hora.core.process_sets import global_process_set
 from hora.tensorflow.collectives import broadcast_, grouped_allreduce
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from hora.engine.handles import Handle as Handle
 from hora.engine.messages import RequestType as RequestType
 from hora.engine.messages import tensor_label
 from hora.errors import UnsupportedOperationError
-from hora.process_sets import ProcessSet
-from hora.runtime import Runtime
+from hora.core.process_sets import ProcessSet
+from hora.core.runtime import Runtime
 
 
 @dataclasses.dataclass

@@ -35,13 +35,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hora import ops
-from hora.api import current
+from hora.core import ops
+from hora.core.api import current
 from hora.collectives.reduce import ADASUM
 from hora.engine.handles import Handle
 from hora.engine.messages import RequestType, tensor_label
-from hora.process_sets import ProcessSet
-from hora.runtime import Runtime
+from hora.core.process_sets import ProcessSet
+from hora.core.runtime import Runtime
 
 Finish = Callable[[], Any]
 

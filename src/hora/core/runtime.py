@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.bootstrap import advertise, open_rendezvous, topology_from_hosts
+from hora.core.bootstrap import advertise, open_rendezvous, topology_from_hosts
 from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import CALLED_SHUTDOWN, Engine, check_interpreter
@@ -257,7 +257,7 @@ def _connect(config: Config, generation: int) -> tuple[Mesh, bytes]:
         The mesh, and the job secret (from the environment, or from rank 0 through MPI).
 
     The rendezvous is ``horarun``'s, or (under mpirun, srun or torchrun-style variables)
-    one that rank 0 runs until the mesh is complete (``hora.bootstrap``). The address
+    one that rank 0 runs until the mesh is complete (``hora.core.bootstrap``). The address
     this rank listens on and advertises is ``netif.choose_bind_address``'s choice.
     """
     topology = config.topology

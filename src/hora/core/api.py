@@ -18,15 +18,17 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from hora import logs, ops
+from hora import logs
+
+from hora.core import ops
 from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import CALLED_SHUTDOWN
 from hora.engine.messages import RequestType
 from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
-from hora.process_sets import ProcessSet, global_process_set
-from hora.runtime import Runtime
+from hora.core.process_sets import ProcessSet, global_process_set
+from hora.core.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How a rank finds its job's rendezvous, and which address it advertises to its peers.
 
-``hora.runtime`` calls ``open_rendezvous`` at ``init()`` for a job of more than one rank:
+``hora.core.runtime`` calls ``open_rendezvous`` at ``init()`` for a job of more than one rank:
 
 * under ``horarun`` the launcher runs the server and every rank's environment names it;
 * under ``mpirun``, ``srun`` or torchrun-style variables rank 0 runs the server itself
@@ -15,7 +15,7 @@
 machine and network namespace) and chosen address under ``addr/<generation>/<rank>``,
 and refuses a job that spans networks while some rank would advertise a loopback
 address (its peers could never reach it), naming the rank, its host and the fix. It
-returns every rank's host name, from which ``hora.runtime`` works out the local and cross
+returns every rank's host name, from which ``hora.core.runtime`` works out the local and cross
 ranks when the launcher's variables do not say them.
 """
 

@@ -3,12 +3,12 @@
 Topology, start and stop, process sets, the timeline, what was built, the reduce ops
 and the errors are the framework-free core's, and ``hora.numpy``, ``hora.torch``,
 ``hora.torch.mpi_ops`` and ``hora.tensorflow`` re-export all of them from here
-(``from hora.basics import *``, ``__all__ += basics.__all__``), so the common surface
+(``from hora.core.basics import *``, ``__all__ += basics.__all__``), so the common surface
 is declared once; each binding declares only what is its own (its collectives, its
 ``Compression``, ``join``/``barrier`` where they return framework tensors, ...).
 """
 
-from hora.api import (
+from hora.core.api import (
     add_process_set,
     ccl_built,
     cross_rank,
@@ -45,7 +45,7 @@ from hora.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
-from hora.process_sets import ProcessSet, global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = [
     "Adasum",

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hora.runtime import Runtime
+    from hora.core.runtime import Runtime
 
 
 class ProcessSet:
