@@ -87,7 +87,7 @@ def test_sync_batch_norm_signature():
 def test_exports():
     assert not hasattr(hvd, "is_homogeneous")  # as in Horovod, only in mpi_ops
     assert callable(hvd.mpi_ops.is_homogeneous)
-    assert not hasattr(hvd, "elastic")
+    assert callable(hvd.elastic.run) and hvd.elastic.TorchState and hvd.elastic.ElasticSampler  # as in Horovod
     for name in ["init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
                  "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
                  "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",

@@ -17,6 +17,7 @@ from hora.core.api import (
     synchronize,
 )
 from hora.compression import Compression
+from hora.numpy import elastic
 from hora.numpy.collectives import (
     allgather,
     allgather_async,
@@ -59,6 +60,7 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "elastic",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",

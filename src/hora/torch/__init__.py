@@ -21,7 +21,7 @@ through host memory. ``is_homogeneous`` lives in ``hora.torch.mpi_ops``, as in H
 
 from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.torch import mpi_ops
+from hora.torch import elastic, mpi_ops
 from hora.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -98,6 +98,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "elastic",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
