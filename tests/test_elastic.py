@@ -611,3 +611,44 @@ def test_torch_state_recovers_weights_and_sampler() -> None:
     processed_first = set(rank0["seen"][0][:4] + rank1["seen"][0][:4])
     assert set(rank0["seen"][1] + rank1["seen"][1]) == set(range(16)) - processed_first
     assert rank0["epoch"] == rank1["epoch"] == 2 + 2  # the retry restored epoch 2, then 2 batches
+
+
+def reinit_job(cycles: int) -> dict[str, Any]:
+    """``cycles`` resets (shutdown() then init()) with a collective in each; what the process
+    holds after the first and after the last."""
+    import os
+    import threading
+    import time
+
+    import hora.numpy as hvd
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/fd")), threading.active_count()
+
+    seconds = []
+    after_first: tuple[int, int] | None = None
+    for cycle in range(cycles):
+        start = time.monotonic()
+        hvd.init()
+        seconds.append(time.monotonic() - start)
+        total = hvd.allreduce(np.ones(1 << 16, dtype=np.float32), op=hvd.Sum, name=f"cycle{cycle}")
+        assert float(total[0]) == hvd.size()
+        hvd.shutdown()
+        if after_first is None:
+            after_first = held()
+    return {"first": after_first, "last": held(), "seconds": seconds}
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_reset_leaks_nothing(size) -> None:
+    """A reset re-initialises in seconds and leaves no descriptor, thread or shared segment behind."""
+    from hora.transport import auth, shm
+
+    secret = auth.new_secret()
+    results = run_ranks(size, reinit_job, 6, timeout=100, secret=secret)
+    for result in results:
+        assert result["last"] == result["first"], result  # (open fds, live threads) after each cycle
+        assert max(result["seconds"]) < 30, result["seconds"]
+    assert shm.stale_segments(shm.job_key(secret)) == []

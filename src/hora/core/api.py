@@ -8,6 +8,7 @@ takes it away, so ``init()`` after ``shutdown()`` starts afresh.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import sys
@@ -157,7 +158,14 @@ def _shutdown(how: str) -> None:
         if runtime is None:
             return
         _forget_runtime()
-    runtime.shutdown(how)
+    left_mapped = runtime.shutdown(how)
+    del runtime
+    if left_mapped and how == CALLED_SHUTDOWN:
+        # The engine's objects form reference cycles that hold views into the shared
+        # segments: collect them now, so a reset (shutdown() then init(), as elastic
+        # training does) unmaps the old segments and closes their descriptors at once
+        # instead of at some later collection. At exit the process ends anyway.
+        gc.collect()
 
 
 def _shutdown_at_exit() -> None:

@@ -234,16 +234,20 @@ class Runtime:
                 "(or fork before hvd.init())."
             )
 
-    def shutdown(self, how: str = CALLED_SHUTDOWN) -> None:
+    def shutdown(self, how: str = CALLED_SHUTDOWN) -> int:
         """Leaves the job: this rank's unfinished collectives fail, the others go on.
 
         On rank 0 this returns once every rank has left (rank 0 coordinates them).
 
         Args:
             how: what the others are told of this rank (see ``Engine.stop``).
+
+        Returns:
+            The shared segments still mapped until the cycle collector runs (``Engine.stop``).
         """
         if os.getpid() == self.pid:
-            self.engine.stop(how)
+            return self.engine.stop(how)
+        return 0
 
     @property
     def failure(self) -> str | None:

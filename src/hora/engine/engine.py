@@ -140,6 +140,8 @@ class Engine:
         self._config = config
         self._mesh = mesh
         self._domain = domain
+        # Shared segments left mapped at close (``Domain.close``); see ``stop``.
+        self._segments_left_mapped = 0
         self.queue = TensorQueue()
         self.sets = ProcessSetTable(self.size)
         # Holds back signal handlers while the main thread runs engine passes.
@@ -452,7 +454,7 @@ class Engine:
             or lane_waits
         )
 
-    def stop(self, how: str = CALLED_SHUTDOWN) -> None:
+    def stop(self, how: str = CALLED_SHUTDOWN) -> int:
         """Makes this rank leave the job and waits until its engine has finished.
 
         On rank 0 this returns once every other rank has left too, since they need
@@ -461,6 +463,12 @@ class Engine:
         Args:
             how: what the others are told of this rank when a collective needs it
                 (``Coordinator.depart``).
+
+        Returns:
+            How many shared segments stayed mapped: the engine's objects refer to each
+            other (bound methods, closures), so the arrays they made from the segments
+            live until Python's cycle collector runs (``hora.core.api.shutdown`` runs it
+            then, so a reset gives the memory back at once).
         """
         self._leaving_how = how
         self._stop_requested = True
@@ -468,6 +476,7 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
         self._shield.restore()
+        return self._segments_left_mapped
 
     def set_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
         """Starts recording a timeline into ``path`` (rank 0 only), or stops with None.
@@ -576,7 +585,7 @@ class Engine:
             control.lane.leave()
             control.lane.close()
         if self._domain is not None:
-            self._domain.close()
+            self._segments_left_mapped = self._domain.close()
         if self._mesh is not None:
             self._mesh.close()
         self._sleeper.close()

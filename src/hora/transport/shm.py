@@ -131,10 +131,19 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmaps the segment, unless views into it are still alive.
+
+        Returns:
+            True when unmapped; False when arrays or memoryviews made from it still
+            exist (the mapping, and the descriptor ``mmap`` keeps, then go when they do).
+        """
         self.counters = np.empty(0, dtype=np.int64)  # drop the view before unmapping
-        with contextlib.suppress(BufferError):
+        try:
             self.map.close()
+        except BufferError:
+            return False
+        return True
 
 
 class Domain:
@@ -294,15 +303,20 @@ class Domain:
         finally:
             sleeping[_SLEEPING] = 0
 
-    def close(self) -> None:
-        """Unmaps every segment and removes this rank's name if it is still there."""
+    def close(self) -> int:
+        """Unmaps every segment and removes this rank's name if it is still there.
+
+        Returns:
+            How many segments stayed mapped because views into them are still alive
+            (``Segment.close``).
+        """
         own = self.segments.get(self.me)
         if own is not None:
             own.unlink()
-        for segment in self.segments.values():
-            segment.close()
+        left = sum(not segment.close() for segment in self.segments.values())
         self.segments.clear()
         self._wake.close()
+        return left
 
 
 def stale_segments(key: str) -> list[str]:
