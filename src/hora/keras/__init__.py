@@ -8,6 +8,6 @@ arguments and the extra ones of ``horovod.tensorflow.keras``.
 
 from hora.tensorflow.keras import *  # noqa: F403 - the same API
 from hora.tensorflow.keras import __all__ as _all
-from hora.tensorflow.keras import callbacks
+from hora.tensorflow.keras import callbacks, elastic
 
 __all__ = list(_all)

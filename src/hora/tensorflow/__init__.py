@@ -14,6 +14,7 @@ functions compiled by XLA (``jit_compile=True``), where they raise with the fix.
     grads = tape.gradient(loss, model.trainable_variables)
 
 Keras: ``hora.tensorflow.keras`` (``DistributedOptimizer``, callbacks, ``load_model``).
+Elastic training: ``hvd.elastic`` (``run``, ``TensorFlowKerasState``, ``TensorFlowState``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.core.api import is_homogeneous
 from hora.compression import Compressor
+from hora.tensorflow import elastic
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.basics import (
     barrier,
@@ -133,6 +135,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
+    "elastic",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",

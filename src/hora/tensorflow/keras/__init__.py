@@ -43,7 +43,7 @@ from hora.tensorflow import collectives as _collectives
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.compression import Compression, for_tensorflow
 from hora.tensorflow.functions import broadcast_global_variables
-from hora.tensorflow.keras import callbacks
+from hora.tensorflow.keras import callbacks, elastic
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -173,6 +173,7 @@ __all__ = [
     "callbacks",
     "cross_rank",
     "cross_size",
+    "elastic",
     "init",
     "is_homogeneous",
     "is_initialized",

@@ -1,0 +1,17 @@
+"""Horovod's ``horovod.keras.elastic`` (the same classes as ``hora.tensorflow.keras.elastic``)."""
+
+from hora.tensorflow.keras.elastic import (
+    CommitStateCallback,
+    KerasState,
+    UpdateBatchStateCallback,
+    UpdateEpochStateCallback,
+    run,
+)
+
+__all__ = [
+    "CommitStateCallback",
+    "KerasState",
+    "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback",
+    "run",
+]
