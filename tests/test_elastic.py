@@ -652,3 +652,50 @@ def test_a_reset_leaks_nothing(size) -> None:
         assert result["last"] == result["first"], result  # (open fds, live threads) after each cycle
         assert max(result["seconds"]) < 30, result["seconds"]
     assert shm.stale_segments(shm.job_key(secret)) == []
+
+
+def shrink_job(leaver: int) -> dict[str, Any]:
+    """3 ranks; then rank ``leaver`` leaves and the others re-initialise as a job of 2,
+    renumbered as a driver would renumber them (the ranks above the leaver move down)."""
+    import os
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    before = float(hvd.allreduce(np.ones(1), op=hvd.Sum, name="before")[0])
+    old = hvd.rank()
+    hvd.shutdown()
+    if old == leaver:
+        return {"old": old, "left": True}
+    new = old if old < leaver else old - 1
+    os.environ.update(HORA_RANK=str(new), HORA_SIZE="2", HORA_LOCAL_RANK=str(new), HORA_LOCAL_SIZE="2")
+    hvd.init()
+    after = hvd.allreduce(np.full(1 << 16, hvd.rank() + 1, dtype=np.float32), op=hvd.Sum, name="after")
+    result = {
+        "old": old,
+        "before": before,
+        "topology": (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()),
+        "after": float(after[0]),
+        "old_ranks": hvd.allgather_object(old),
+    }
+    hvd.shutdown()
+    return result
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("leaver", [0, 2])
+def test_a_reset_joins_a_smaller_world(leaver) -> None:
+    """shutdown() then init() in the same process against another world: new rank, size and
+    local ranks, a new shared-memory domain; rank 0 may be the one that left."""
+    results = run_ranks(3, shrink_job, leaver, timeout=80)
+    survivors = [old for old in range(3) if old != leaver]
+    for old, result in enumerate(results):
+        if old == leaver:
+            assert result == {"old": old, "left": True}
+            continue
+        new = survivors.index(old)
+        assert result["before"] == 3.0
+        assert result["topology"] == (new, 2, new, 2)
+        assert result["after"] == 3.0  # 1 + 2
+        assert result["old_ranks"] == survivors
