@@ -218,4 +218,30 @@ def run_fn(func: Callable[..., R], reset: Callable[[], Any]) -> Callable[..., R]
     return wrapper
 
 
-__all__ = ["HostUpdateResult", "ObjectState", "State", "run_fn"]
+def reset() -> None:
+    """Re-initializes hora in this process, as every binding's reset does: ``shutdown()``,
+    then ``init()`` (with no elastic driver yet, against the same world)."""
+    from hora.core import api  # here: the launcher imports this module for HostUpdateResult
+
+    api.shutdown()
+    api.init()
+
+
+def run(func: Callable[..., R]) -> Callable[..., R]:
+    """Decorates an elastic training function (``func(state, *args, **kwargs)``): every
+    binding's ``hvd.elastic.run``.
+
+    The state is synchronized from rank 0 before ``func`` runs (so ``func`` must not
+    start with a collective). When a collective fails, the last commit is restored,
+    hora is reset (``reset``) and ``func`` runs again; see ``run_fn``.
+
+    Args:
+        func: the training function; its first parameter is the state.
+
+    Returns:
+        The wrapped function.
+    """
+    return run_fn(func, reset)
+
+
+__all__ = ["HostUpdateResult", "ObjectState", "State", "reset", "run", "run_fn"]

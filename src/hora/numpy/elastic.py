@@ -19,14 +19,11 @@ yet, against the same world.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from hora import elastic as _elastic
 from hora.core import api
-from hora.elastic import HostUpdateResult, run_fn
-
-R = TypeVar("R")
+from hora.elastic import HostUpdateResult, run
 
 
 def _broadcast(obj: Any) -> Any:
@@ -51,28 +48,6 @@ class ObjectState(_elastic.ObjectState):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(bcast_object=_broadcast, get_rank=api.rank, **kwargs)
-
-
-def _reset() -> None:
-    api.shutdown()
-    api.init()
-
-
-def run(func: Callable[..., R]) -> Callable[..., R]:
-    """Decorates an elastic training function (``func(state, *args, **kwargs)``).
-
-    The state is synchronized from rank 0 before ``func`` runs, so ``func`` must not
-    start with a collective that the state's synchronization could meet. When a
-    collective fails, the last commit is restored, hora is reset and ``func`` runs
-    again; see ``hora.elastic.run_fn``.
-
-    Args:
-        func: the training function; its first parameter is the state.
-
-    Returns:
-        The wrapped function.
-    """
-    return run_fn(func, _reset)
 
 
 __all__ = ["HostUpdateResult", "ObjectState", "State", "run"]

@@ -30,8 +30,9 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 
-from hora.core.api import init, rank, shutdown
-from hora.elastic import ObjectState, run_fn
+from hora import elastic as _elastic
+from hora.core.api import rank
+from hora.elastic import ObjectState
 from hora.errors import HoraInternalError
 from hora.tensorflow.collectives import broadcast
 from hora.tensorflow.functions import broadcast_object, broadcast_variables
@@ -41,11 +42,6 @@ R = TypeVar("R")
 # A hora collective's node in TensorFlow's message (``[[{{node HoraAllreduce}}]]``,
 # ``{{node train_step/HoraGroupedAllreduce_2}}``): bridge.draw_key names them ``Hora<Op>``.
 _HORA_NODE = re.compile(r"\{\{node (?:[^}]*/)?Hora[A-Z]")
-
-
-def _reset() -> None:
-    shutdown()
-    init()
 
 
 def run(func: Callable[..., R]) -> Callable[..., R]:
@@ -74,7 +70,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 raise HoraInternalError(exc.message) from exc
             raise
 
-    return run_fn(wrapper, _reset)
+    return _elastic.run(wrapper)
 
 
 def _variables(holder: Any) -> list[Any]:

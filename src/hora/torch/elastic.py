@@ -31,16 +31,14 @@ import copy
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.utils.data
 
-from hora.core.api import init, rank, shutdown, size
-from hora.elastic import ObjectState, run_fn
+from hora.core.api import rank, size
+from hora.elastic import ObjectState, run
 from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-
-R = TypeVar("R")
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
@@ -365,28 +363,6 @@ class TorchState(ObjectState):
 
 def _broadcast(obj: Any) -> Any:
     return broadcast_object(obj, root_rank=0)
-
-
-def _reset() -> None:
-    shutdown()
-    init()
-
-
-def run(func: Callable[..., R]) -> Callable[..., R]:
-    """Decorates an elastic training function (``func(state, *args, **kwargs)``).
-
-    The state is synchronized from rank 0 before ``func`` runs (so ``func`` must not
-    start with a collective). When a collective fails, the last commit is restored,
-    hora is reset (``shutdown()``, ``init()``) and ``func`` runs again; see
-    ``hora.elastic.run_fn``.
-
-    Args:
-        func: the training function; its first parameter is the state.
-
-    Returns:
-        The wrapped function.
-    """
-    return run_fn(func, _reset)
 
 
 __all__ = ["ElasticSampler", "TorchState", "run"]
