@@ -98,3 +98,15 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     return (yield from _guarded(item))
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Generator[None, None, None]:
+    """hora as a job of one rank in this process (no launcher variables), shut down after."""
+    for name in list(os.environ):
+        if name.startswith(("HORA_", "HOROVOD_")):
+            monkeypatch.delenv(name)
+    yield
+    from hora.core.api import shutdown
+
+    shutdown()

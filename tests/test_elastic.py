@@ -8,7 +8,6 @@ same world, which is what a reset is today (hora has no elastic driver yet).
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
@@ -23,15 +22,6 @@ import hora.torch.elastic as telastic
 from hora.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 from harness import run_ranks
 
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """hora as a job of one rank in this process (no launcher variables)."""
-    for name in list(os.environ):
-        if name.startswith(("HORA_", "HOROVOD_")):
-            monkeypatch.delenv(name)
-    yield
-    hvd.shutdown()
 
 
 class Log:
@@ -72,36 +62,34 @@ def test_host_update_result_is_horovods() -> None:
     assert HorovodInternalError is HoraInternalError
 
 
-def test_object_state_save_restore_deep_copies() -> None:
+def test_object_state_save_restore_keeps_references_as_horovod() -> None:
     log = Log()
     items = [1, 2]
     state = elastic.ObjectState(log.bcast, lambda: 0, epoch=0, items=items)
     assert state.items is items  # the object given, as in Horovod
     state.epoch = 3
-    state.items.append(3)
+    state.items = [7]
     state.restore()
-    assert (state.epoch, state.items) == (0, [1, 2])  # the snapshot was a copy
+    assert (state.epoch, state.items) == (0, [1, 2]) and state.items is items
     state.epoch = 5
-    state.items.append(9)
+    committed = state.items = [1, 2, 9]
     state.save()
-    state.items.append(10)  # after save: not in the snapshot
+    state.items = [10]  # after save: not committed
     state.epoch = 6
     state.restore()
-    assert (state.epoch, state.items) == (5, [1, 2, 9])
-    state.items.append(11)  # changing the restored attribute leaves the snapshot alone
-    state.restore()
-    assert state.items == [1, 2, 9]
+    assert (state.epoch, state.items) == (5, [1, 2, 9]) and state.items is committed
+    assert log.events == []  # save and restore are local
 
 
-def test_object_state_sync_takes_rank0s_snapshot() -> None:
+def test_object_state_sync_takes_rank0s_commit() -> None:
     rank0 = {"epoch": 7, "items": [4]}
     state = elastic.ObjectState(lambda obj: rank0, lambda: 1, epoch=0, items=[])
     state.epoch = 2  # not committed: sync replaces it with rank 0's committed value
     state.sync()
     assert (state.epoch, state.items) == (7, [4])
-    state.items.append(5)
+    state.epoch = 8
     state.restore()
-    assert state.items == [4]
+    assert state.epoch == 7  # rank 0's values are this rank's commit now
     empty = elastic.ObjectState(lambda obj: pytest.fail("no broadcast without state"), lambda: 0)
     empty.sync()
 
@@ -174,7 +162,7 @@ def test_on_reset_drops_pending_updates_runs_reset_then_callbacks() -> None:
 
 def test_run_fn_internal_error_restores_last_commit_syncs_and_retries() -> None:
     log = Log()
-    state = LoggedState(log, step=0, seen=[])
+    state = LoggedState(log, step=0, seen=())
     state.register_reset_callbacks([lambda: log.events.append("callback")])
     calls = []
 
@@ -182,7 +170,7 @@ def test_run_fn_internal_error_restores_last_commit_syncs_and_retries() -> None:
         calls.append((state.step, list(state.seen)))
         while state.step < limit:
             state.step += 1
-            state.seen.append(state.step)
+            state.seen = (*state.seen, state.step)  # a new object: a commit keeps references
             if state.step % 2 == 0:
                 state.commit()
             if state.step == failing_at and len(calls) == 1:
@@ -194,7 +182,7 @@ def test_run_fn_internal_error_restores_last_commit_syncs_and_retries() -> None:
     assert wrapped(state, 6, failing_at=3) == ("done", 6)
     # The second call starts from the last commit (step 2), not from step 3.
     assert calls == [(0, []), (2, [1, 2])]
-    assert state.seen == [1, 2, 3, 4, 5, 6]
+    assert state.seen == (1, 2, 3, 4, 5, 6)
     retry = log.events.index("restore")
     assert log.events[retry:retry + 5] == ["restore", "reset", "state.reset", "callback", "sync"]
     assert log.events[0] == "sync"
@@ -310,9 +298,7 @@ def train_batches(ranks: list[telastic.ElasticSampler], batches: int, batch_size
     done: set[int] = set()
     for b in range(batches):
         for sampler, indices in zip(ranks, iters):
-            batch = indices[b * batch_size : (b + 1) * batch_size]
-            assert batch == sampler.get_indices(b, batch_size)
-            done.update(batch)
+            done.update(indices[b * batch_size : (b + 1) * batch_size])
             sampler.record_batch(b, batch_size)
     return done
 
@@ -364,42 +350,21 @@ def test_sampler_set_epoch_clears_and_state_dict_round_trips(world) -> None:
     dataset = list(range(20))
     (sampler,) = samplers(world, 1, dataset, shuffle=False)
     train_batches([sampler], batches=2, batch_size=3)
-    assert sampler.state_dict() == {"epoch": 0, "processed_num": 6, "processed_indices": set()}
+    assert sampler.state_dict() == {"epoch": 0, "processed_num": 6}
     assert len(list(sampler)) == 20  # recording takes effect at the next reset, as in Horovod
     sampler.reset()
     assert list(sampler) == list(range(6, 20)) and len(sampler) == 14
     other = telastic.ElasticSampler(dataset, shuffle=False)
-    other.load_state_dict({"epoch": 0, "processed_num": 6})  # Horovod's state_dict loads too
+    other.load_state_dict({"epoch": 0, "processed_num": 6})
     assert list(other) == list(range(6, 20))
     sampler.set_epoch(1)
-    assert sampler.state_dict() == {"epoch": 1, "processed_num": 0, "processed_indices": set()}
+    assert sampler.state_dict() == {"epoch": 1, "processed_num": 0}
     assert len(sampler) == 20
-
-
-def test_sampler_record_indices_then_batches(world) -> None:
-    """Explicit indices (Horovod's older record_indices) and later batches combine exactly."""
-    dataset = list(range(30))
-    ranks = samplers(world, 2, dataset, seed=3)
-    for sampler in ranks:
-        list(sampler)
-        sampler.record_indices(sampler.get_indices(0, 4))  # each rank records its own
-    gathered = set().union(*(s.state_dict()["processed_indices"] for s in ranks))  # what a commit gathers
-    assert len(gathered) == 8
-    state = ranks[0].state_dict()
-    state["processed_indices"] = gathered
-    new = samplers(world, 3, dataset, state=state, seed=3)
-    done = gathered | train_batches(new, batches=2, batch_size=2)
-    assert len(done) == 20
-    state = new[2].state_dict()
-    assert state == new[0].state_dict()
-    (last,) = samplers(world, 1, dataset, state=state, seed=3)
-    assert sorted(last) == sorted(set(range(30)) - done)
 
 
 def test_sampler_uneven_tail_pads_like_horovod(world) -> None:
     ranks = samplers(world, 3, list(range(10)), shuffle=False)
     assert [list(s) for s in ranks] == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
-    assert ranks[1].get_indices(1, 3) == [0]  # the short last batch
 
 
 def test_sampler_in_a_dataloader(world) -> None:

@@ -11,14 +11,6 @@ import hora
 import hora.numpy as hvd
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("HORA_", "HOROVOD_")):
-            monkeypatch.delenv(name)
-    yield
-    hvd.shutdown()
-
 
 @pytest.mark.parametrize(
     "call",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 
 import numpy as np
@@ -99,14 +98,6 @@ def test_exports():
     assert set(hvd.__all__) <= set(dir(hvd))
     assert hvd.Compression.fp16.compress(torch.ones(2))[0].dtype == torch.float16
 
-
-@pytest.fixture
-def fresh(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("HORA_", "HOROVOD_")):
-            monkeypatch.delenv(name)
-    yield
-    hvd.shutdown()
 
 
 def test_before_init_raises(fresh):

@@ -15,7 +15,6 @@ re-initializes hora against the same world.
 
 from __future__ import annotations
 
-import copy
 import enum
 import functools
 import queue
@@ -141,7 +140,9 @@ class ObjectState(State):
     """State made of plain picklable Python objects, given as keyword arguments.
 
     Every keyword becomes an attribute: ``state = ObjectState(bcast, rank, epoch=0)``
-    then ``state.epoch += 1``.
+    then ``state.epoch += 1``. As in Horovod, a commit keeps references to the
+    attributes' objects, not copies: assign new values (``state.total = state.total +
+    x``) rather than changing an object in place, or ``restore`` cannot undo it.
 
     Args:
         bcast_object: ``broadcast_object(obj)``: returns rank 0's ``obj`` on every rank.
@@ -150,21 +151,20 @@ class ObjectState(State):
     """
 
     def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int], **kwargs: Any) -> None:
-        for name, value in kwargs.items():
-            setattr(self, name, value)  # the objects given, as in Horovod
-        self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
+        self._saved_state: dict[str, Any] = kwargs
+        self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
-        """Snapshots (deep copies) the tracked attributes."""
-        self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
+        """Keeps the tracked attributes' current objects."""
+        self._saved_state = {name: getattr(self, name) for name in self._saved_state}
 
     def restore(self) -> None:
-        """Sets the tracked attributes back to the last snapshot."""
+        """Sets the tracked attributes back to the objects kept by the last commit."""
         self._set_attrs()
 
     def sync(self) -> None:
-        """Sets every rank's snapshot and attributes to rank 0's snapshot.
+        """Sets every rank's committed objects and attributes to rank 0's.
 
         Raises:
             HoraInternalError: the broadcast failed.
@@ -174,9 +174,8 @@ class ObjectState(State):
             self._set_attrs()
 
     def _set_attrs(self) -> None:
-        # Copies, so changing an attribute never changes the snapshot.
         for name, value in self._saved_state.items():
-            setattr(self, name, copy.deepcopy(value))
+            setattr(self, name, value)
 
 
 def run_fn(func: Callable[..., R], reset: Callable[[], Any]) -> Callable[..., R]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -38,23 +38,20 @@ import torch.utils.data
 
 from hora.core.api import rank, size
 from hora.elastic import ObjectState, run
-from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hora.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
     """Splits a dataset between the ranks, and again over the new ranks after a reset,
-    leaving out what this epoch already processed.
+    leaving out what this epoch already processed (Horovod's ``ElasticSampler``).
 
     Like ``DistributedSampler``, each rank takes every ``size()``-th index of the epoch's
-    order (padded with the order's first indices so every rank has as many). After each
-    batch, ``record_batch`` marks the batch as processed on every rank; when a
-    ``TorchState`` holds the sampler, a commit keeps that record and a reset hands the
-    indices not yet processed to the ranks of the new world, so none is processed twice
-    or skipped.
-
-    Use it so: keep it in the ``TorchState``; call ``record_batch`` after each batch (or
-    ``record_indices`` with the indices processed); call ``set_epoch`` at the end of each
-    epoch (not the start), which clears the record.
+    order (padded with the order's first indices so every rank has as many). Every rank
+    calls ``record_batch`` after each batch, counting the samples the job processed;
+    when a ``TorchState`` holds the sampler, a commit keeps that count and a reset
+    hands the rest of the epoch's order to the ranks of the new world, so no sample is
+    processed twice or skipped. Call ``set_epoch`` at the end of each epoch (not the
+    start): it starts the count again.
 
     Args:
         dataset: the dataset (its length must not change).
@@ -69,7 +66,6 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
         self.epoch = 0
         self.processed_num = 0
-        self.processed_indices: set[int] = set()
 
         self.num_replicas = 0
         self.rank = 0
@@ -83,101 +79,52 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Starts epoch ``epoch``: its own order when shuffling, and nothing processed.
 
-        Call it at the end of an epoch, so that a reset in the middle of one does not
-        process its samples again.
-
         Args:
             epoch: the epoch number.
         """
         self.epoch = epoch
         self.processed_num = 0
-        self.processed_indices = set()
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Records that every rank processed its next batch of ``batch_size`` samples
-        (all ranks call it together, as they train in step).
+        (all ranks call it together, as they train in step). It takes effect at the
+        next ``reset`` or ``load_state_dict``, as in Horovod.
 
         Args:
-            batch_idx: the batch's number in this pass over the sampler (used only once
-                ``record_indices`` has been called this epoch).
+            batch_idx: the batch's number (unused, as in Horovod).
             batch_size: the samples per batch on each rank.
         """
-        if not self.processed_indices:
-            # The ranks' batches so far are a prefix of the epoch's remaining order.
-            self.processed_num += batch_size * self.num_replicas
-            return
-        padded = self._padded()
-        start = batch_idx * batch_size * self.num_replicas
-        end = min((batch_idx + 1) * batch_size, self.num_samples) * self.num_replicas
-        self.processed_indices.update(padded[start:end])
-
-    def record_indices(self, indices: Iterable[int]) -> None:
-        """Records dataset indices that this rank processed. A ``TorchState`` commit
-        gathers them from every rank.
-
-        Args:
-            indices: dataset indices.
-        """
-        self.processed_indices.update(int(i) for i in indices)
-
-    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
-        """This rank's dataset indices in batch ``batch_idx`` of the current pass.
-
-        Args:
-            batch_idx: the batch's number in this pass over the sampler.
-            batch_size: the samples per batch.
-
-        Returns:
-            The indices (fewer in a last, short batch).
-        """
-        start = batch_idx * batch_size
-        return self.indices[start : min(start + batch_size, len(self.indices))]
+        self.processed_num += batch_size * self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
-        """What a reset needs: the epoch and what of it was processed.
-
-        Returns:
-            ``epoch``, ``processed_num`` (as Horovod) and ``processed_indices``.
-        """
-        return dict(epoch=self.epoch, processed_num=self.processed_num, processed_indices=set(self.processed_indices))
+        """Returns ``epoch`` and ``processed_num``: what a reset needs."""
+        return dict(epoch=self.epoch, processed_num=self.processed_num)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Takes a ``state_dict()`` and re-splits what is left of the epoch.
-
-        Args:
-            state_dict: as returned by ``state_dict()`` (Horovod's, without
-                ``processed_indices``, loads too).
-        """
+        """Takes a ``state_dict()`` and re-splits what is left of the epoch."""
         self.epoch = state_dict["epoch"]
         self.processed_num = state_dict["processed_num"]
-        self.processed_indices = set(state_dict.get("processed_indices", ()))
         self.reset()
 
     def reset(self) -> None:
-        """Splits the epoch's indices not yet processed over the current ``size()``
-        ranks, taking this ``rank()``'s share."""
+        """Splits the epoch's order past the processed samples over the current
+        ``size()`` ranks, taking this ``rank()``'s share."""
         self.num_replicas = size()
         self.rank = rank()
         order = list(range(len(self.dataset)))
         if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(order)
-        processed = self.processed_indices
-        self.remaining_indices = [i for i in order[self.processed_num :] if i not in processed]
+            random.Random(self.seed + self.epoch).shuffle(order)  # the same order on every rank
+        self.remaining_indices = order[self.processed_num :]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self.indices = self._padded()[self.rank : self.total_size : self.num_replicas]
 
-    def _padded(self) -> list[int]:
-        """The remaining order, padded with its first indices to ``total_size``."""
+    def __iter__(self) -> Iterator[int]:
         padded = list(self.remaining_indices)
         while len(padded) < self.total_size:
             padded += self.remaining_indices[: self.total_size - len(padded)]
-        return padded
-
-    def __iter__(self) -> Iterator[int]:
-        self.indices = self._padded()[self.rank : self.total_size : self.num_replicas]
-        return iter(list(self.indices))
+        self.indices = padded[self.rank : self.total_size : self.num_replicas]
+        return iter(self.indices)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -251,17 +198,14 @@ class OptimizerStateHandler(StateHandler):
 
 
 class SamplerStateHandler(StateHandler):
-    """An ``ElasticSampler``: its ``state_dict()``; saving gathers every rank's recorded
-    indices (a collective), syncing takes rank 0's state and re-splits."""
+    """An ``ElasticSampler``: its ``state_dict()``; syncing takes rank 0's and re-splits."""
 
     def __init__(self, sampler: ElasticSampler) -> None:
         super().__init__(sampler)
         self._saved_sampler_state = copy.deepcopy(sampler.state_dict())
 
     def save(self) -> None:
-        state = copy.deepcopy(self.value.state_dict())
-        state["processed_indices"] = set().union(*allgather_object(state["processed_indices"]))
-        self._saved_sampler_state = state
+        self._saved_sampler_state = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved_sampler_state)
