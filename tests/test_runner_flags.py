@@ -57,8 +57,13 @@ def test_ssh_and_network_flags() -> None:
     [
         (["--jsrun"], "--jsrun: IBM jsrun is not supported"),
         (["--mpi-args=-x A"], "--mpi-args applies to --mpi only"),
-        (["--min-np", "2"], "--min-num-proc: elastic training is not built yet"),
-        (["--host-discovery-script", "d.sh"], "--host-discovery-script: elastic training is not built yet"),
+        (["--min-np", "2"], "--min-np 2 makes the job elastic, which needs --host-discovery-script"),
+        (["--min-np", "3"], "-np 2 is below --min-np 3"),
+        (["--max-np", "4"], "--max-np 4 applies only to an elastic job"),
+        (["--reset-limit", "-1"], "argument --reset-limit: invalid value '-1': expected an integer >= 0"),
+        (["--min-np", "1", "-H", "a:2,b:2", "--mpi"], "--mpi cannot run an elastic job"),
+        (["--host-discovery-script", "d.sh", "-H", "a:2"], "-H/--hosts and --host-discovery-script are exclusive"),
+        (["--host-discovery-script", "d.sh", "--blacklist-cooldown-range", "5", "2"], "expected MIN <= MAX"),
         (["-x", "1BAD"], "-x '1BAD' is not valid: expected NAME or NAME=VALUE"),
         (["--env", "NOVALUE"], "--env 'NOVALUE' is not valid: expected NAME=VALUE"),
         (["-p", "0"], "argument -p/--ssh-port: invalid value '0': expected an integer in [1, 65535]"),
@@ -74,6 +79,18 @@ def test_bad_flags_are_one_line_naming_the_flag(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+
+
+def test_elastic_flags_make_elastic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
+    s = settings("-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "./d.sh",
+                 "--slots", "2", "--reset-limit", "3", "--blacklist-cooldown-range", "1", "9")  # fmt: skip
+    assert s.elastic is not None
+    assert (s.elastic.num_proc, s.elastic.min_num_proc, s.elastic.max_num_proc) == (2, 1, 4)
+    assert (s.elastic.slots_per_host, s.elastic.reset_limit, s.elastic.blacklist_cooldown_range) == (2, 3, (1, 9))
+    assert s.elastic.elastic_timeout == 42  # Horovod's variable when the flag is not given
+    assert settings("-np", "2", "--min-np", "1", "-H", "a,b", "--elastic-timeout", "7").elastic.elastic_timeout == 7
+    assert settings("-np", "2").elastic is None
 
 
 def test_config_file_sections_and_the_command_line_wins(tmp_path: Path) -> None:

@@ -8,9 +8,10 @@ before calling the function again. When the hosts of the job change, ``commit()`
 ``check_host_updates()``) raises ``HostsUpdatedInterrupt`` on every rank at once, and the
 loop resets the same way, skipping the synchronization when hosts were only removed.
 
-hora has no elastic driver yet (``horarun --min-np``, host discovery), so nothing calls
-``State.on_hosts_updated`` today and ``check_host_updates`` never raises; a reset
-re-initializes hora against the same world.
+Under ``horarun``'s elastic driver (``horarun --min-np``/``--host-discovery-script``) a
+reset joins the job's next world, and rank 0 learns of the driver's changes of hosts at
+each ``check_host_updates`` (``hora.core.membership``). Elsewhere a reset re-initializes
+hora against the same world and only ``State.on_hosts_updated`` raises an interrupt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 from hora.errors import HoraInternalError, HostsUpdatedInterrupt
 
 R = TypeVar("R")
+
+_JOIN_ATTEMPTS = 3  # init() attempts of one reset under horarun's elastic driver
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -103,6 +106,8 @@ class State:
                 (the survivors hold consistent state already).
             HoraInternalError: the broadcast of rank 0's view failed.
         """
+        for timestamp, result in _published_host_updates():
+            self.on_hosts_updated(timestamp, HostUpdateResult(result))
         prev_timestamp = last_timestamp = self._last_updated_timestamp
         update = HostUpdateResult.no_update
         while True:
@@ -219,11 +224,28 @@ def run_fn(func: Callable[..., R], reset: Callable[[], Any]) -> Callable[..., R]
 
 def reset() -> None:
     """Re-initializes hora in this process, as every binding's reset does: ``shutdown()``,
-    then ``init()`` (with no elastic driver yet, against the same world)."""
+    then ``init()``, which under horarun's elastic driver joins the job's next world
+    (``hora.core.membership``) and elsewhere the same world again."""
     from hora.core import api  # here: the launcher imports this module for HostUpdateResult
 
     api.shutdown()
-    api.init()
+    for attempt in range(_JOIN_ATTEMPTS):
+        try:
+            api.init()
+            return
+        except HoraInternalError:
+            # Under the elastic driver a world can fail to form (a new worker died while
+            # starting): the driver records that worker's failure, and the next init()
+            # asks for the world after it.
+            if not api.elastic_worker() or attempt == _JOIN_ATTEMPTS - 1:
+                raise
+
+
+def _published_host_updates() -> list[tuple[float, int]]:
+    """The changes of hosts horarun's elastic driver published since the last call (rank 0)."""
+    from hora.core import api
+
+    return api.host_updates()
 
 
 def run(func: Callable[..., R]) -> Callable[..., R]:

@@ -109,6 +109,8 @@ class Config:
     log_hide_time: bool = False
     dynamic_process_sets: bool = False
     elastic: bool = False
+    elastic_timeout: float = 600.0
+    elastic_generation: int | None = None
     start_timeout: float = 30.0
     disable_group_fusion: bool = False
     extras: Extras = Extras()

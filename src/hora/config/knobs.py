@@ -339,8 +339,12 @@ KNOBS: tuple[Knob, ...] = (
          "allow `add_process_set`/`remove_process_set` after `init()`", ("HOROVOD_DYNAMIC_PROCESS_SETS",),
          "dynamic_process_sets"),
     Knob("HORA_ELASTIC", Boolean(), False, "runtime",
-         "the job is elastic: as in Horovod, a DistributedOptimizer of a single rank still reduces (elastic "
-         "training itself is not built yet)", ("HOROVOD_ELASTIC",), "elastic"),
+         "the job is elastic (horarun sets it in an elastic job); as in Horovod, a DistributedOptimizer of a "
+         "single rank then still reduces", ("HOROVOD_ELASTIC",), "elastic"),
+    Knob("HORA_ELASTIC_TIMEOUT", Number(strict=True), 600.0, "runtime",
+         "seconds an elastic job waits for `--min-np` slots (horarun's `--elastic-timeout`), and a worker, "
+         "plus the start timeout, for its place in the next world", ("HOROVOD_ELASTIC_TIMEOUT",),
+         "elastic_timeout"),
     Knob("HORA_START_TIMEOUT", Number(strict=True), 30.0, "runtime",
          "seconds a rank waits at start-up for the others to reach the rendezvous and connect",
          ("HOROVOD_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), "start_timeout",
@@ -444,6 +448,9 @@ KNOBS: tuple[Knob, ...] = (
               "holds it"),
     _topology("HORA_SECRET_FILE", Text(), "a file that holds the secret (used when `HORA_SECRET` is unset): "
               "a Kubernetes secret mounted as a file, say"),
+    Knob("HORA_ELASTIC_GENERATION", Integer(), None, "topology",
+         "set by horarun's elastic driver: the world this worker was started for; `init()` then takes its rank "
+         "from the driver, not from the variables above", field="elastic_generation", shown_default=""),
     Knob("HORA_IFACE", Text(), None, "topology",
          "comma-separated interfaces; the rank binds and advertises the address of the first one its host has "
          "(`horarun --network-interfaces`)", ("HOROVOD_GLOO_IFACE",), "iface", shown_default=""),

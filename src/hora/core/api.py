@@ -29,6 +29,8 @@ from hora.engine.messages import RequestType
 from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.core import membership as world_membership
+from hora.core.membership import Membership
 from hora.core.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,9 @@ class _Context:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.runtime: Runtime | None = None
-        self.generation = 0
+        self.generation = 0  # of the next runtime; every rank of a job counts alike
+        self.membership: Membership | None = None  # under horarun's elastic driver
+        self.membership_generation: int | None = None  # the last world joined
         self.dynamic = False
         self.sets: list[ProcessSet] = []
         self.set_calls = 0
@@ -85,6 +89,14 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
                 return
             _forget_runtime()  # a forked child: its copy of the parent's runtime is unusable
         config = Config.from_env()
+        membership: Membership | None = None
+        generation = _context.generation
+        if config.elastic_generation is not None:  # horarun's elastic driver places this worker
+            last = _context.membership_generation
+            generation = config.elastic_generation if last is None else last + 1
+            membership = world_membership.join(config, generation, announce=last is not None)
+            _context.membership_generation = membership.generation  # the next init() asks for the one after
+            config = membership.config
         if comm is not None and sorted(int(r) for r in comm) != list(range(config.topology.size)):
             raise ValueError(
                 f"hora.init(comm={list(comm)}): only the whole job can be initialized; "
@@ -110,9 +122,10 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
                 "is" if len(ignored) == 1 else "are",
                 extra=logs.at(config.topology.rank),
             )
-        runtime = Runtime(config, _context.generation)
-        _context.generation += 1
+        runtime = Runtime(config, generation)
+        _context.generation = generation + 1
         _context.runtime = runtime
+        _context.membership = membership
         _context.dynamic = dynamic
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
@@ -139,6 +152,9 @@ def _forget_runtime() -> None:
     _context.sets.clear()
     global_process_set._unbind()
     _context.runtime = None
+    if _context.membership is not None:
+        _context.membership.close()
+        _context.membership = None
 
 
 def shutdown() -> None:
@@ -179,6 +195,26 @@ def _shutdown_at_exit() -> None:
         _shutdown(f"was lost: it exited after an uncaught {detail}")
     else:
         _shutdown("has shut down (its program ended)")
+
+
+def host_updates() -> list[tuple[float, int]]:
+    """The changes of hosts horarun's elastic driver published since the last call.
+
+    Returns:
+        (timestamp, ``HostUpdateResult`` value) of each, oldest first: on rank 0 of an
+        elastic job under horarun; empty on the other ranks, in other jobs and before
+        ``init()``.
+
+    Raises:
+        HoraInternalError: the driver cannot be reached.
+    """
+    membership = _context.membership
+    return [] if membership is None else membership.host_updates()
+
+
+def elastic_worker() -> bool:
+    """True once this process joined a world of horarun's elastic driver."""
+    return _context.membership_generation is not None
 
 
 def is_initialized() -> bool:

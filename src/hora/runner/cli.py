@@ -17,6 +17,7 @@ for the other exit codes see ``hora.runner.launch``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,13 +25,10 @@ from typing import Any
 from hora.config import knobs
 from hora.runner import config_file
 from hora.runner.arguments import USAGE_ERROR, Parser, number
+from hora.runner.elastic.settings import ElasticSettings
 from hora.runner.launch import launch
 from hora.runner.settings import LaunchSettings, Tuning, parse_assignment
 from hora.version import __version__
-
-_ELASTIC = ("min_num_proc", "max_num_proc", "slots_per_host", "elastic_timeout", "reset_limit",
-            "blacklist_cooldown_range", "host_discovery_script")  # fmt: skip
-
 
 def _flag(group: Any, *names: str, dest: str, help: str, const: Any = True) -> None:
     group.add_argument(*names, dest=dest, action="store_const", const=const, default=None, help=help)
@@ -99,14 +97,22 @@ def make_parser() -> argparse.ArgumentParser:
     mpi_only = parser.add_argument_group("MPI launch (with --mpi)")
     mpi_only.add_argument("--mpi-args", metavar="ARGS", default=None, help="extra mpirun arguments")
     mpi_only.add_argument("--binding-args", metavar="ARGS", default=None, help="mpirun binding arguments")
-    elastic = parser.add_argument_group("elastic training (not built yet)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", metavar="N", default=None)
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", metavar="N", default=None)
-    elastic.add_argument("--slots-per-host", "--slots", dest="slots_per_host", metavar="N", default=None)
-    elastic.add_argument("--elastic-timeout", metavar="SECONDS", default=None)
-    elastic.add_argument("--reset-limit", metavar="N", default=None)
-    elastic.add_argument("--blacklist-cooldown-range", metavar=("MIN", "MAX"), nargs=2, default=None)
-    elastic.add_argument("--host-discovery-script", metavar="SCRIPT", default=None)
+    elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
+    count = number(int, 1)
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", metavar="N", type=count, default=None,
+                         help="the fewest ranks the job runs with (makes the job elastic)")  # fmt: skip
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", metavar="N", type=count, default=None,
+                         help="the most ranks (default: every slot discovered)")  # fmt: skip
+    elastic.add_argument("--slots-per-host", "--slots", dest="slots_per_host", metavar="N", type=count, default=None,
+                         help="slots of a discovered host listed without a count")  # fmt: skip
+    elastic.add_argument("--elastic-timeout", metavar="SECONDS", type=count, default=None,
+                         help="seconds to wait for --min-np slots (default 600, or HOROVOD_ELASTIC_TIMEOUT)")  # fmt: skip
+    elastic.add_argument("--reset-limit", metavar="N", type=number(int, 0), default=None,
+                         help="the most resets before the job stops (default: no limit)")  # fmt: skip
+    elastic.add_argument("--blacklist-cooldown-range", metavar=("MIN", "MAX"), nargs=2, type=count, default=None,
+                         help="a failed host comes back after MIN to MAX seconds (default: never)")  # fmt: skip
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT", default=None,
+                         help="a command that prints the available hosts, one HOST[:SLOTS] per line")  # fmt: skip
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return parser
 
@@ -195,6 +201,10 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
         parser.error(str(exc))
     values = _knob_values(args)
     start_timeout = values.pop("HORA_START_TIMEOUT", None)
+    try:
+        elastic = _elastic_settings(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return LaunchSettings(
         command=tuple(args.command),
         num_proc=int(args.num_proc),
@@ -212,7 +222,38 @@ def parse_settings(argv: Sequence[str]) -> LaunchSettings | None:
         network_interfaces=args.network_interfaces,
         mpi=args.controller == "mpi",
         mpi_args=" ".join(part for part in (args.mpi_args, args.binding_args) if part) or None,
+        elastic=elastic,
     )
+
+
+def _elastic_settings(args: argparse.Namespace) -> ElasticSettings | None:
+    """The elastic flags, checked; None for a job that is not elastic.
+
+    Raises:
+        ValueError: the flags contradict each other or apply only to an elastic job.
+    """
+    timeout = args.elastic_timeout
+    if timeout is None:
+        timeout = int(knobs.read("HORA_ELASTIC_TIMEOUT", os.environ))
+    cooldown = args.blacklist_cooldown_range
+    settings = ElasticSettings(
+        num_proc=int(args.num_proc),
+        min_num_proc=None if args.min_num_proc is None else int(args.min_num_proc),
+        max_num_proc=None if args.max_num_proc is None else int(args.max_num_proc),
+        slots_per_host=None if args.slots_per_host is None else int(args.slots_per_host),
+        elastic_timeout=int(timeout),
+        reset_limit=None if args.reset_limit is None else int(args.reset_limit),
+        blacklist_cooldown_range=None if cooldown is None else (int(cooldown[0]), int(cooldown[1])),
+        host_discovery_script=args.host_discovery_script,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+    )
+    settings.validate()
+    if not settings.elastic:
+        return None
+    if args.controller == "mpi":
+        raise ValueError("--mpi cannot run an elastic job: MPI's world is fixed; drop --mpi or the elastic flags")
+    return settings
 
 
 def _refuse_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -222,12 +263,6 @@ def _refuse_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespac
         if getattr(args, dest) is not None and args.controller != "mpi":
             flag = "--" + dest.replace("_", "-")
             parser.error(f"{flag} applies to --mpi only: add --mpi or drop {flag}")
-    for dest in _ELASTIC:
-        if getattr(args, dest) is not None:
-            parser.error(
-                f"--{dest.replace('_', '-')}: elastic training is not built yet: run a fixed -np job "
-                "without the elastic flags"
-            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

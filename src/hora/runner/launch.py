@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from hora.runner import hosts
 from hora.runner.hosts import SlotInfo
+from hora.runner.elastic.settings import ElasticSettings
 from hora.runner.job import Job
 from hora.runner.mpi_launch import launch_mpi
 from hora.runner.output import Sink
@@ -44,6 +45,16 @@ def prepare(settings: LaunchSettings) -> list[SlotInfo]:
         ValueError: a setting is invalid, the hosts are malformed or have too few
             slots, or the output directory cannot be created.
     """
+    _check(settings)
+    return hosts.plan(settings.num_proc, settings.hosts, settings.hostfile)
+
+
+def _check(settings: LaunchSettings) -> None:
+    """Checks what does not depend on the hosts and creates the output directory.
+
+    Raises:
+        ValueError: as ``prepare``.
+    """
     settings.validate()
     missing = forwarded_missing(os.environ, settings.forward_env)
     if missing:
@@ -51,7 +62,6 @@ def prepare(settings: LaunchSettings) -> list[SlotInfo]:
             f"-x {missing[0]}: {missing[0]} is not set in horarun's environment: set it, or give its value "
             f"as -x {missing[0]}=VALUE"
         )
-    slots = hosts.plan(settings.num_proc, settings.hosts, settings.hostfile)
     if settings.output_filename is not None:
         try:
             os.makedirs(settings.output_filename, exist_ok=True)
@@ -59,7 +69,19 @@ def prepare(settings: LaunchSettings) -> list[SlotInfo]:
             raise ValueError(
                 f"--output-filename: cannot create the directory {settings.output_filename!r}: {exc.strerror or exc}"
             ) from None
-    return slots
+
+
+def _launch_elastic(settings: LaunchSettings, elastic: ElasticSettings, is_local: Callable[[str], bool]) -> int:
+    """Runs an elastic job under ``hora.runner.elastic.driver``; returns its exit code.
+
+    Raises:
+        ValueError: the settings are invalid; nothing was started.
+    """
+    from hora.runner.elastic.driver import ElasticDriver
+
+    _check(settings)
+    driver = ElasticDriver(settings, elastic, Sink(sys.stdout), Sink(sys.stderr), os.environ, is_local=is_local)
+    return driver.run(handle_signals=True).exit_code
 
 
 def place(
@@ -97,6 +119,8 @@ def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_
     Raises:
         ValueError: the settings or the hosts are invalid; nothing was started.
     """
+    if settings.elastic is not None:
+        return _launch_elastic(settings, settings.elastic, is_local)
     slots = prepare(settings)
     if settings.mpi:
         return launch_mpi(settings, slots, settings.mpi_args)

@@ -28,10 +28,13 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hora.config import knobs
 from hora.runner.hosts import SlotInfo
+
+if TYPE_CHECKING:  # the elastic driver imports this module
+    from hora.runner.elastic.settings import ElasticSettings
 
 DEFAULT_START_TIMEOUT: float = knobs.BY_NAME["HORA_START_TIMEOUT"].default
 # What a remote rank gets from horarun's environment besides what horarun sets.
@@ -108,6 +111,7 @@ class LaunchSettings:
         network_interfaces: ``--network-interfaces`` (comma-separated names).
         mpi: ``--mpi``: start the ranks with ``mpirun``, MPI carrying the data.
         mpi_args: ``--mpi-args`` and ``--binding-args``: extra ``mpirun`` arguments.
+        elastic: the elastic flags of an elastic job, else None.
     """
 
     command: tuple[str, ...]
@@ -126,6 +130,7 @@ class LaunchSettings:
     network_interfaces: str | None = None
     mpi: bool = False
     mpi_args: str | None = None
+    elastic: ElasticSettings | None = None
 
     def validate(self) -> None:
         """Checks the settings that do not need the hosts.

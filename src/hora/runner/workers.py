@@ -38,7 +38,8 @@ from hora.runner.hosts import SlotInfo
 from hora.runner.output import Sink, StreamForwarder, rank_dir
 from hora.runner.tracebacks import LastTraceback
 
-# Events posted to a job's queue: ("exit", rank) by waiters, ("signal", signum) by handlers.
+# Events posted to a job's queue: ("exit", rank or event id) by waiters, ("signal", signum) by
+# handlers (and, in an elastic job, ("hosts", HostUpdateResult) by its discovery thread).
 Event = tuple[str, int]
 
 _MARKER_WAIT = 2.0  # seconds to wait, after ssh exits, for the last control line
@@ -118,6 +119,7 @@ class Worker:
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.signals_sent: list[int] = []
+        self.event_id = slot.rank
         self.remote = remote
         self.remote_pid: int | None = None
         self.lost = False
@@ -145,6 +147,7 @@ class Worker:
         output_dir: str | None = None,
         timestamp: bool = False,
         remote: RemoteLaunch | None = None,
+        event_id: int | None = None,
     ) -> Worker:
         """Starts one rank, here or (``remote``) on another host over ssh.
 
@@ -159,6 +162,8 @@ class Worker:
             timestamp: prefix forwarded lines with the local time.
             remote: how to start it on another host; None runs ``command`` here
                 with ``env`` as its whole environment.
+            event_id: the number its exit event carries; ``slot.rank`` when None (an
+                elastic job's workers change rank, so its driver numbers them itself).
 
         Returns:
             The running worker.
@@ -188,6 +193,7 @@ class Worker:
         if process.stdout is None or process.stderr is None:  # pragma: no cover - PIPE always gives both
             raise OSError("subprocess did not create the output pipes")
         worker = cls(slot, process, [], remote=remote is not None)
+        worker.event_id = slot.rank if event_id is None else event_id
         worker._forwarders = [
             StreamForwarder(process.stdout, slot.rank, "stdout", stdout, copies[0], timestamp).start(),
             StreamForwarder(
@@ -249,7 +255,7 @@ class Worker:
                         pass
         self.exit_time = exit_time
         self.returncode = returncode
-        events.put(("exit", self.slot.rank))
+        events.put(("exit", self.event_id))
 
     @property
     def running(self) -> bool:
