@@ -3,7 +3,8 @@ PyTorch), TorchState and ElasticSampler.
 
 Single-process tests fake the broadcast, the reset or the world (rank and size); the
 multi-rank ones run real ranks, including a reset (``shutdown()`` then ``init()``) in the
-same world, which is what a reset is today (hora has no elastic driver yet).
+same world, which is what a reset is outside horarun's elastic driver (its jobs are
+tested in test_elastic_horarun.py and test_elastic_hosts.py).
 """
 
 from __future__ import annotations

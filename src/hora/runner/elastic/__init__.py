@@ -1,8 +1,10 @@
 """The launcher side of elastic training (``horarun --min-np``, ``--host-discovery-script``).
 
-This package holds the pure building blocks of horarun's elastic driver, Horovod's
-``horovod.runner.elastic``:
+Horovod's ``horovod.runner.elastic``: the driver and its building blocks.
 
+``driver``
+    the job: worlds published in the rendezvous store, workers started and watched,
+    resets, blacklisting, notifications of changed hosts (docs/elastic.md).
 ``settings``
     the elastic flags (horovodrun's spellings and defaults) and their validation.
 ``discovery``
@@ -11,8 +13,4 @@ This package holds the pure building blocks of horarun's elastic driver, Horovod
     whose workers failed (permanent, or for a cooldown).
 ``assignment``
     which rank runs on which slot of the discovered hosts, surviving hosts first.
-
-The driver loop is not built yet: nothing here starts workers, polls discovery,
-notifies ranks of host changes, records worker results, or re-runs the rendezvous,
-and ``horarun`` still refuses the elastic flags.
 """
