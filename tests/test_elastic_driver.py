@@ -352,8 +352,11 @@ def test_assignment_arguments_are_checked() -> None:
 def test_pending_slots_are_the_new_ones() -> None:
     previous = host_assignments([HostSpec("a", 2), HostSpec("b", 1)], min_np=1)
     slots = host_assignments([HostSpec("a", 3), HostSpec("c", 1)], 1, None, previous)
-    assert [(s.hostname, s.local_rank) for s in pending_slots(slots, previous)] == [("a", 2), ("c", 0)]
-    assert pending_slots(slots, None) == slots
+    running = {(s.hostname, s.local_rank) for s in previous}
+    assert [(s.hostname, s.local_rank) for s in pending_slots(slots, running)] == [("a", 2), ("c", 0)]
+    assert pending_slots(slots, set()) == slots
+    running.discard(("a", 1))  # its worker died after the last world settled
+    assert [(s.hostname, s.local_rank) for s in pending_slots(slots, running)] == [("a", 1), ("a", 2), ("c", 0)]
 
 
 def test_manager_and_assignment_together() -> None:

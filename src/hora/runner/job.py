@@ -49,7 +49,7 @@ from hora.runner.placement import Placement, plan_placement
 from hora.runner.settings import LaunchSettings, rank_env, remote_env
 from hora.runner.ssh import SshSettings, remote_python_command
 from hora.runner.tracebacks import LastTraceback
-from hora.runner.workers import Event, RemoteLaunch, Worker, signal_name
+from hora.runner.workers import Event, RemoteLaunch, Worker, kill_workers, signal_name, stop_workers
 from hora.transport import auth
 from hora.transport.rendezvous_server import RendezvousServer
 
@@ -59,7 +59,6 @@ GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL
 SETTLE_PERIOD = 1.0
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.1  # seconds; a signal delivered to another thread does not wake a blocked get
-_REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed ranks to be reaped
 _OUTPUT_TIMEOUT = 2.0  # seconds to wait for pipes a rank's leftovers may hold open
 
 
@@ -354,32 +353,11 @@ class Job:
         self._running_at_stop = tuple(worker.slot.rank for worker in self._workers if worker.running)
         if not self._running_at_stop:
             return
-        for worker in self._workers:  # exited ranks too: their children may live on
-            worker.signal_group(signal.SIGTERM)
-        grace_end = self._stop_time + self._grace
-        while any(worker.running for worker in self._workers):
-            remaining = grace_end - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                kind, value = self._events.get(timeout=min(_POLL, remaining))
-            except queue.Empty:
-                continue
-            if kind == "signal":
-                self._stderr.line(f"horarun: received {signal_name(value)} again: killing every rank now")
-                break
-        self._kill_all()
+        stop_workers(self._workers, self._events, self._grace, "rank", self._stderr)
 
     def _kill_all(self) -> None:
         """SIGKILL to every rank's group; waits until every rank is reaped."""
-        for worker in self._workers:
-            worker.signal_group(signal.SIGKILL)
-        reap_end = time.monotonic() + _REAP_TIMEOUT
-        while any(worker.running for worker in self._workers) and time.monotonic() < reap_end:
-            try:
-                self._events.get(timeout=_POLL)
-            except queue.Empty:
-                continue
+        kill_workers(self._workers, self._events)
 
     def _result(self, interrupted: int | None, timed_out: bool, start_error: str | None) -> JobResult:
         ranks = tuple(

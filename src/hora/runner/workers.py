@@ -43,6 +43,8 @@ from hora.runner.tracebacks import LastTraceback
 Event = tuple[str, int]
 
 _MARKER_WAIT = 2.0  # seconds to wait, after ssh exits, for the last control line
+_POLL = 0.1  # seconds; a signal delivered to another thread does not wake a blocked get
+REAP_TIMEOUT = 10.0  # seconds to wait for SIGKILLed workers to be reaped
 _SSH_KILL_DELAY = 3.0  # seconds after KILL before the local ssh itself is killed
 
 
@@ -330,3 +332,47 @@ class Worker:
         deadline = time.monotonic() + timeout
         for forwarder in self._forwarders:
             forwarder.join(max(0.0, deadline - time.monotonic()))
+
+
+def stop_workers(
+    workers: Sequence[Worker], events: queue.SimpleQueue[Event], grace: float, noun: str, stderr: Sink
+) -> None:
+    """SIGTERM to every worker's group, SIGKILL after ``grace`` seconds; waits until all are reaped.
+
+    Exited workers are signalled too: their children may live on. A signal event that
+    arrives meanwhile (a second Ctrl-C) cuts the grace period short.
+
+    Args:
+        workers: the workers to stop.
+        events: the job's queue, which their waiters post to.
+        grace: seconds between SIGTERM and SIGKILL.
+        noun: what the launcher calls them in its note ("rank", "worker").
+        stderr: where that note goes.
+    """
+    for worker in workers:
+        worker.signal_group(signal.SIGTERM)
+    grace_end = time.monotonic() + grace
+    while any(worker.running for worker in workers):
+        remaining = grace_end - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            kind, value = events.get(timeout=min(_POLL, remaining))
+        except queue.Empty:
+            continue
+        if kind == "signal":
+            stderr.line(f"horarun: received {signal_name(value)} again: killing every {noun} now")
+            break
+    kill_workers(workers, events)
+
+
+def kill_workers(workers: Sequence[Worker], events: queue.SimpleQueue[Event]) -> None:
+    """SIGKILL to every worker's group; waits up to ``REAP_TIMEOUT`` until all are reaped."""
+    for worker in workers:
+        worker.signal_group(signal.SIGKILL)
+    reap_end = time.monotonic() + REAP_TIMEOUT
+    while any(worker.running for worker in workers) and time.monotonic() < reap_end:
+        try:
+            events.get(timeout=_POLL)
+        except queue.Empty:
+            continue

@@ -9,7 +9,7 @@ keep low ranks and rank 0 is a worker that holds the state to broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from hora.runner.hosts import HostSpec, SlotInfo, assign_slots
 
@@ -63,18 +63,19 @@ def host_assignments(
     return slots
 
 
-def pending_slots(assignments: Sequence[SlotInfo], previous: Sequence[SlotInfo] | None) -> list[SlotInfo]:
+def pending_slots(assignments: Sequence[SlotInfo], running: Collection[tuple[str, int]]) -> list[SlotInfo]:
     """The slots of a new assignment that need a worker started (Horovod's pending slots).
 
-    A slot is named by its host and local rank; a worker already running on it keeps
-    running (and learns its new rank at the rendezvous).
+    A slot is named by its host and local rank; a worker running on it keeps running
+    (and learns its new rank from the new world). Unlike Horovod, which takes the slots
+    of the previous assignment as running, a slot whose worker died after the last
+    world settled gets a new worker.
 
     Args:
         assignments: the new assignment.
-        previous: the assignment before it, or None for the first.
+        running: (host, local rank) of every worker running now.
 
     Returns:
-        The slots of ``assignments`` that ``previous`` does not hold, in rank order.
+        The slots of ``assignments`` without a running worker, in rank order.
     """
-    active = {(slot.hostname, slot.local_rank) for slot in previous or ()}
-    return [slot for slot in assignments if (slot.hostname, slot.local_rank) not in active]
+    return [slot for slot in assignments if (slot.hostname, slot.local_rank) not in running]

@@ -55,7 +55,7 @@ from hora.runner.output import Sink
 from hora.runner.placement import ANY, LOOPBACK, HostsError, plan_placement
 from hora.runner.settings import LaunchSettings, rank_env, remote_env
 from hora.runner.ssh import HostInfo, SshSettings, probe_hosts, remote_python_command
-from hora.runner.workers import Event, RemoteLaunch, Worker, describe_status, signal_name
+from hora.runner.workers import Event, RemoteLaunch, Worker, describe_status, signal_name, stop_workers
 from hora.transport import auth, worlds
 from hora.transport.rendezvous_server import RendezvousServer
 
@@ -63,7 +63,6 @@ DISCOVER_HOSTS_FREQUENCY_S = 1.0
 """Seconds between two runs of the discovery script (Horovod's)."""
 GRACE_PERIOD = 5.0
 _POLL = 0.05  # seconds between two looks at the workers' ready marks
-_REAP_TIMEOUT = 10.0
 _OUTPUT_TIMEOUT = 2.0
 
 _LOG = logging.getLogger(__name__)
@@ -283,7 +282,8 @@ class ElasticDriver:
             )
         except (ValueError, RuntimeError) as exc:
             raise JobStopped(str(exc), 1) from None
-        pending = pending_slots(assignment, self._assignment or None)
+        running = {(member.host, member.local_rank) for member in self._alive() if not member.removed}
+        pending = pending_slots(assignment, running)
         self._place([slot for slot in pending if slot.hostname not in self._reach])
         self._generation += 1
         generation = self._generation
@@ -474,25 +474,7 @@ class ElasticDriver:
     # ----- the end -----
 
     def _stop_all(self) -> None:
-        """SIGTERM to every running worker's group, SIGKILL after the grace period; reap all."""
-        if not self._alive():
-            return
-        for member in self._members.values():
-            member.worker.signal_group(signal.SIGTERM)
-        end = time.monotonic() + self._grace
-        while self._alive() and time.monotonic() < end:
-            try:
-                kind, value = self._events.get(timeout=_POLL)
-            except queue.Empty:
-                continue
-            if kind == "signal":
-                self._stderr.line(f"horarun: received {signal_name(value)} again: killing every worker now")
-                break
-        for member in self._members.values():
-            member.worker.signal_group(signal.SIGKILL)
-        end = time.monotonic() + _REAP_TIMEOUT
-        while self._alive() and time.monotonic() < end:
-            try:
-                self._events.get(timeout=_POLL)
-            except queue.Empty:
-                continue
+        """SIGTERM to every worker's group, SIGKILL after the grace period; reap all."""
+        if self._alive():
+            workers = [member.worker for member in self._members.values()]
+            stop_workers(workers, self._events, self._grace, "worker", self._stderr)
