@@ -322,3 +322,46 @@ def test_elastic_sampler_processes_every_sample_once_across_two_resizes(tmp_path
     # Only the epoch's last batch may repeat samples: the padding that gives every rank as many.
     assert len(seen) - count < final["size"] * 2, f"{len(seen) - count} samples processed twice"
     assert len(set(seen[:count])) == count
+
+
+def test_fixed_hosts_make_an_elastic_job_that_survives_a_killed_worker(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, [])
+    command = [PY, "-m", "hora.runner", "-np", "3", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1",
+               PY, str(tmp_path / "worker.py"), str(tmp_path), "60", "0.05"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        job.wait_for(lambda rows: len(rows) >= 5)
+        job.kill("127.0.0.1[0]")
+        out, err = process.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err[-3000:]
+    assert check_committed_steps(job.rows(), 60) == [3, 2]
+    assert "elastic world 1: 2 ranks on localhost, 127.0.0.2" in err
+
+
+def test_killing_horarun_stops_every_worker(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, ["localhost", "127.0.0.1"])
+    command = [PY, "-m", "hora.runner", "-np", "2", "--host-discovery-script", str(job.script),
+               PY, str(tmp_path / "worker.py"), str(tmp_path), "100000", "0.05"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        job.wait_for(lambda rows: len(rows) >= 3)
+    finally:
+        process.kill()  # SIGKILL: no chance to stop its workers itself
+        process.wait()
+    pids = [int((tmp_path / f"pid-{slot}").read_text()) for slot in ("localhost[0]", "127.0.0.1[0]")]
+    end = time.monotonic() + 30
+    while time.monotonic() < end and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a worker outlived horarun"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
