@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from hora.config import knobs, launchers
-from hora.config.knobs import DEFAULT_FUSION_THRESHOLD, LOG_LEVELS
+from hora.config.knobs import DEFAULT_FUSION_THRESHOLD
 
-__all__ = ["DEFAULT_FUSION_THRESHOLD", "LAUNCHERS", "LOG_LEVELS", "Config", "Extras", "Topology", "mpi4py_available",
+__all__ = ["DEFAULT_FUSION_THRESHOLD", "LAUNCHERS", "Config", "Extras", "Topology", "mpi4py_available",
            "ssh_options"]  # fmt: skip
 
 # Where a job's topology came from (Config.launcher).
