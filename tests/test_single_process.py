@@ -40,6 +40,15 @@ def test_size_one_without_a_launcher(fresh):
     assert hora.__version__
 
 
+def test_size_one_reduces_buffers_past_the_ring_pipeline_threshold(fresh):
+    # A buffer above the pipelined ring's threshold once took the ring path in a set of one,
+    # which has no ring links (KeyError in the engine).
+    hvd.init()
+    big = np.arange(2_000_000, dtype=np.float32)
+    assert np.array_equal(hvd.allreduce(big, op=hvd.Sum), big)
+    assert [a.size for a in hvd.grouped_allreduce([big, big[:900_000]])] == [2_000_000, 900_000]
+
+
 def test_fp16_compression_round_trip(fresh):
     hvd.init()
     x = np.linspace(0, 1, 5, dtype=np.float32)

@@ -119,7 +119,7 @@ class TcpCollectives:
     def allreduce(
         self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
     ) -> None:
-        if buffer.nbytes > pipeline.CHUNK_BYTES * self.size:
+        if self.size > 1 and buffer.nbytes > pipeline.CHUNK_BYTES * self.size:  # a set of one has no ring links
             pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
         else:
             # The ring receives at most one segment (a 1/size share, rounded up) at a time.
