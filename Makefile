@@ -4,8 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
+# MXNet 1.9.1 needs NumPy < 2: its tests run in an environment of their own (docs/mxnet.md).
+MXNET_VENV := .venv-mxnet
+MXNET_PY := $(MXNET_VENV)/bin/python
+MXNET_STAMP := $(MXNET_VENV)/.installed
 
-.PHONY: demo test check install typecheck layers clean
+.PHONY: demo test test-mxnet check install typecheck layers clean
 
 $(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +21,13 @@ $(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# hora with MXNet 1.9.1 and NumPy < 2 (requirements/mxnet.txt), for tests/test_mxnet*.py.
+$(MXNET_STAMP): pyproject.toml requirements/mxnet.txt
+	$(PYTHON) -m venv $(MXNET_VENV)
+	$(MXNET_PY) -m pip install --quiet --upgrade pip
+	$(MXNET_PY) -m pip install --quiet -r requirements/mxnet.txt -e .
+	touch $(MXNET_STAMP)
 
 # What the demo needs and nothing more: hora, torch (CPU build), scikit-learn. With pip's
 # progress bars: the first run downloads ~300 MB (torch's CPU wheel is 190 MB) into a 1.2 GB .venv.
@@ -41,13 +52,18 @@ layers: $(STAMP)
 # The whole suite: static types, the import contracts, then every test (multi-process tests start their own ranks).
 # scripts/setup-system.sh installs the system pieces the launcher tests use for real (sshd,
 # network namespaces, Open MPI, MPICH, Slurm); it is quick when they are already there.
-test: $(STAMP) typecheck layers
+test: $(STAMP) $(MXNET_STAMP) typecheck layers
 	bash scripts/setup-system.sh
 	$(PY) -m pytest -q --durations=20
+	$(MAKE) test-mxnet
+
+# The MXNet binding's tests, in MXNet's environment (the main one does not collect them).
+test-mxnet: $(MXNET_STAMP)
+	$(MXNET_PY) -m pytest -q --durations=10 -W ignore::DeprecationWarning tests/test_mxnet.py tests/test_mxnet_training.py
 
 # The fast layer alone (tests/conftest.py): one-process tests, no system setup, under a minute.
 check: $(STAMP) layers
 	$(PY) -m pytest -q -m unit
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache
+	rm -rf $(VENV) $(MXNET_VENV) .mypy_cache .pytest_cache
