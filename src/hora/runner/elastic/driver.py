@@ -43,13 +43,15 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 
 from hora.elastic import HostUpdateResult
 from hora.runner import hosts as hostnames
 from hora.runner.elastic.assignment import host_assignments, pending_slots
-from hora.runner.elastic.discovery import DiscoveredHosts, HostManager, make_discovery
+from hora.runner.elastic.discovery import DiscoveredHosts, FixedHosts, HostManager, make_discovery
 from hora.runner.elastic.settings import RESET_LIMIT_EXCEEDED_MESSAGE, ElasticSettings
 from hora.runner.hosts import SlotInfo
+from hora.runner.job import GRACE_PERIOD
 from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink
 from hora.runner.placement import ANY, LOOPBACK, HostsError, plan_placement
@@ -61,7 +63,6 @@ from hora.transport.rendezvous_server import RendezvousServer
 
 DISCOVER_HOSTS_FREQUENCY_S = 1.0
 """Seconds between two runs of the discovery script (Horovod's)."""
-GRACE_PERIOD = 5.0
 _POLL = 0.05  # seconds between two looks at the workers' ready marks
 _OUTPUT_TIMEOUT = 2.0
 
@@ -146,7 +147,8 @@ class ElasticDriver:
         self._is_local = is_local
         self._probe = probe
         self._ssh = SshSettings.from_env(settings.ssh_port, settings.ssh_identity_file, base_env)
-        self._hosts = HostManager(make_discovery(elastic), elastic.blacklist_cooldown_range)
+        self._discovery = make_discovery(elastic)
+        self._hosts = HostManager(self._discovery, elastic.blacklist_cooldown_range)
         self._lock = threading.Lock()  # guards self._hosts
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._shutdown = threading.Event()
@@ -176,8 +178,10 @@ class ElasticDriver:
             How the job ended.
         """
         self._secret = auth.new_secret()
-        local_only = self._elastic.host_discovery_script is None and all(
-            self._is_local(host.name) for host in self._hosts_of_flags()
+        # Fixed hosts that are all this machine keep the server on loopback; a discovery
+        # script may name other hosts later.
+        local_only = isinstance(self._discovery, FixedHosts) and all(
+            self._is_local(host) for host in self._discovery.find_available_hosts_and_slots()
         )
         self._server = RendezvousServer(self._secret, host=LOOPBACK if local_only else ANY).start()
         previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -192,7 +196,6 @@ class ElasticDriver:
             try:
                 self._activate(self._num_proc)
                 self._watch()
-                raise AssertionError("the watch loop only ends by JobStopped")  # pragma: no cover
             except JobStopped as stop:
                 outcome = stop
         finally:
@@ -213,13 +216,6 @@ class ElasticDriver:
             discovery.join(timeout=1.0)
         self._stderr.line(f"horarun: {outcome.reason}")
         return ElasticResult(outcome.exit_code, outcome.reason, self._generation + 1, tuple(self._sizes))
-
-    def _hosts_of_flags(self) -> list[hostnames.HostSpec]:
-        if self._elastic.hosts is not None:
-            return hostnames.parse_hosts(self._elastic.hosts)
-        if self._elastic.hostfile is not None:
-            return hostnames.parse_hostfile(self._elastic.hostfile)
-        return []
 
     def _start_lifeline(self) -> Lifeline | None:
         try:
@@ -408,8 +404,8 @@ class ElasticDriver:
         if kind == "hosts":
             self._on_hosts_changed(value)
 
-    def _watch(self) -> None:
-        """Runs worlds until the job ends (always by ``JobStopped``)."""
+    def _watch(self) -> NoReturn:
+        """Runs worlds until the job ends, which ``JobStopped`` says."""
         first_news: float | None = None  # when a worker of this world first reset or exited
         while True:
             self._next_event(_POLL)
