@@ -369,3 +369,18 @@ def reducescatter_async(
     return _register(
         reducescatter_submit(adapter, tensors, name, op, process_set, prescale_factor, postscale_factor, grouped)
     )
+
+
+def wait_all(handles: Sequence[Handle]) -> list[Any]:
+    """Waits for every handle (so none stays in flight), then raises the first error."""
+    results: list[Any] = []
+    error: BaseException | None = None
+    for handle in handles:
+        try:
+            results.append(handle.wait())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished
+            results.append(None)
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

@@ -58,7 +58,7 @@ from jax.experimental import io_callback
 from hora.core import binding, ops
 from hora.core.api import current
 from hora.collectives.reduce import data_type_of
-from hora.core.ops import Handle, RequestType
+from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet
 
 Kernel = Callable[..., list[np.ndarray]]
@@ -210,24 +210,9 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDty
     return list(io_callback(body, list(out_shapes), *inputs, ordered=True))
 
 
-def wait_all(handles: Sequence[Handle]) -> list[Any]:
-    """Waits for every handle (so none stays in flight), then raises the first error."""
-    results: list[Any] = []
-    error: BaseException | None = None
-    for handle in handles:
-        try:
-            results.append(handle.wait())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished
-            results.append(None)
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
-
-
 def outputs(queued: binding.Queued, grouped: bool) -> list[Any]:
     """Waits for every handle of a call; its results as a kernel's list of outputs."""
-    result = queued.finish(wait_all(queued.handles))
+    result = queued.finish(binding.wait_all(queued.handles))
     return list(result) if grouped else [result]
 
 

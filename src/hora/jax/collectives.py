@@ -386,7 +386,7 @@ def alltoall(
 
     def kernel(key: str | None, array: np.ndarray, split: np.ndarray) -> list[np.ndarray]:
         queued = binding.alltoall_submit(ADAPTER, array, split, name, process_set, key)
-        result: list[np.ndarray] = queued.finish(bridge.wait_all(queued.handles))
+        result: list[np.ndarray] = queued.finish(binding.wait_all(queued.handles))
         if key is not None and result[0].shape[0] != array.shape[0]:
             raise ValueError(
                 "hora.jax.alltoall inside jax.jit needs the same first dimension on every rank; call it outside jit"

@@ -57,7 +57,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 from hora.core import binding, ops
 from hora.core.api import current
 from hora.collectives.reduce import data_type_of
-from hora.core.ops import Handle, RequestType
+from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet
 
 ALIGNMENT = 64  # bytes; TensorFlow's kernels assume EIGEN_MAX_ALIGN_BYTES-aligned buffers
@@ -270,21 +270,6 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
 
 def _camel(what: str) -> str:
     return "".join(part.capitalize() for part in what.split("_"))
-
-
-def wait_all(handles: Sequence[Handle]) -> list[Any]:
-    """Waits for every handle (so none stays in flight), then raises the first error."""
-    results: list[Any] = []
-    error: BaseException | None = None
-    for handle in handles:
-        try:
-            results.append(handle.wait())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished
-            results.append(None)
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
 
 
 def is_float(dtype: Any) -> bool:

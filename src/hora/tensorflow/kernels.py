@@ -7,7 +7,7 @@ collective when it is called). It hands its tensors to the shared binding core
 (``hora.core.binding`` with ``bridge.ADAPTER``), which names them, runs the local checks
 and queues them, a group all at once or not at all, a failed check failing the
 collective on every rank. The kernel then waits for every handle it queued before
-raising the first error (``bridge.wait_all``), so nothing it queued stays in flight,
+raising the first error (``binding.wait_all``), so nothing it queued stays in flight,
 and returns eager tensors.
 """
 
@@ -26,7 +26,7 @@ from hora.tensorflow.bridge import ADAPTER, Kernel
 
 def _outputs(queued: binding.Queued, grouped: bool) -> list[Any]:
     """Waits for every handle of a call; its results as the kernel's list of outputs."""
-    result = queued.finish(bridge.wait_all(queued.handles))
+    result = queued.finish(binding.wait_all(queued.handles))
     return list(result) if grouped else [result]
 
 
@@ -71,7 +71,7 @@ def alltoall(name: str | None, process_set: ProcessSet) -> Kernel:
 
     def kernel(key: str | None, tensor: Any, splits: Any) -> list[Any]:
         queued = binding.alltoall_submit(ADAPTER, tensor, splits, name, process_set, key)
-        received: list[Any] = queued.finish(bridge.wait_all(queued.handles))
+        received: list[Any] = queued.finish(binding.wait_all(queued.handles))
         return received
 
     return kernel
