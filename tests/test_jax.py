@@ -330,15 +330,21 @@ def process_set_and_refusal_job() -> list[str]:
             if np.asarray(fn(x)).tolist() != [3.0] * 3:
                 problems.append(f"process set allreduce: {fn(x)}")
     hvd.barrier()
-    # While tracing, rank 0 has a complex input (not movable): every rank must fail.
+    # While tracing, rank 0 has a complex input (not movable): every rank must fail, inside
+    # jit and under jax.grad without jit (where the others run the call at once, concrete).
     dtype = jnp.complex64 if me == 0 else jnp.float32
-    try:
-        jax.jit(lambda x: hvd.allreduce(x))(jnp.ones(2, dtype))
-        problems.append("a dtype refused on rank 0 did not fail this rank")
-    except Exception as exc:  # noqa: BLE001 - rank 0: ValueError at trace; others: JaxRuntimeError when run
-        if "rank 0" not in str(exc) and me != 0:
-            problems.append(f"the error does not name rank 0: {exc}")
-    hvd.barrier()
+    traced = {
+        "jit": lambda: jax.jit(lambda x: hvd.allreduce(x))(jnp.ones(2, dtype)),
+        "grad": lambda: jax.grad(lambda x: jnp.real(hvd.allreduce(x.astype(dtype))).sum())(jnp.ones(2)),
+    }
+    for mode, call in traced.items():
+        try:
+            call()
+            problems.append(f"{mode}: a dtype refused on rank 0 did not fail this rank")
+        except Exception as exc:  # noqa: BLE001 - rank 0: ValueError at trace; others: when run
+            if "rank 0" not in str(exc) and me != 0:
+                problems.append(f"{mode}: the error does not name rank 0: {exc}")
+        hvd.barrier()
     if float(hvd.allreduce(jnp.ones(()), op=hvd.Sum)) != hvd.size():
         problems.append("the job did not go on after the refusal")
     hvd.shutdown()

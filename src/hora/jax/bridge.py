@@ -195,14 +195,22 @@ def check_traced(
 
 
 def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDtypeStruct], key: str | None) -> list[Any]:
-    """Runs ``kernel(key, *arrays)``: at once when ``key`` is None (eager), else as one
+    """Runs ``kernel(key, *arrays)``: at once when the inputs are concrete, else as one
     ordered ``io_callback`` of the program being traced.
+
+    Args:
+        key: what the collective's caller decided from *its* inputs: None when they were
+            concrete (the binding numbers the call), drawn when they were tracers. Under
+            ``jax.grad`` without ``jit`` the caller's inputs are tracers while the
+            custom_vjp hands the kernel concrete values: the kernel then runs at once
+            but under the drawn key, the one a failed check was sent under
+            (``check_traced``), so every rank names the call alike.
 
     Returns:
         The kernel's outputs as jax.Arrays (or tracers), one per ``out_shapes``.
     """
-    if key is None:
-        return [jnp.asarray(y) for y in kernel(None, *[host_view(x) for x in inputs])]
+    if not is_traced(inputs):
+        return [jnp.asarray(y) for y in kernel(key, *[host_view(x) for x in inputs])]
 
     def body(*arrays: Any) -> list[np.ndarray]:
         return kernel(key, *[host_view(a) for a in arrays])

@@ -33,6 +33,7 @@ Example, on 2 ranks::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,8 +165,7 @@ def _allreduce(
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
-        traced = bridge.is_traced(xs)
-        return bridge.run(kernel, xs, _like(xs), key if traced else None)
+        return bridge.run(kernel, xs, _like(xs), key)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
@@ -253,9 +253,9 @@ def _allgather(tensors: Sequence[Any], name: str | None, process_set: ProcessSet
     xs, key = _prepare(tensors, process_set, what, RequestType.ALLGATHER, name, grouped, [], _not_scalar(what))
     size = _set_size(process_set)
 
-    def kernel(key: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
+    def kernel(key: str | None, *arrays: np.ndarray, fixed: bool) -> list[np.ndarray]:
         results = bridge.outputs(binding.allgather_submit(ADAPTER, arrays, name, process_set, grouped, key), grouped)
-        if key is not None:  # inside jit the result's shape was fixed when traced
+        if fixed:  # inside jit the result's shape was fixed when traced
             for result, array in zip(results, arrays):
                 if result.shape[0] != array.shape[0] * size:
                     raise ValueError(
@@ -266,9 +266,9 @@ def _allgather(tensors: Sequence[Any], name: str | None, process_set: ProcessSet
 
     def forward(*xs: Any) -> list[Any]:
         if not bridge.is_traced(xs):
-            return bridge.run(kernel, xs, [], None)
+            return bridge.run(functools.partial(kernel, fixed=False), xs, [], key)
         shapes = [_shape((x.shape[0] * size, *x.shape[1:]), x.dtype) for x in xs]
-        return bridge.run(kernel, xs, shapes, key)
+        return bridge.run(functools.partial(kernel, fixed=True), xs, shapes, key)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
@@ -320,7 +320,7 @@ def _broadcast(
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
-        return bridge.run(kernel, xs, _like(xs), key if bridge.is_traced(xs) else None)
+        return bridge.run(kernel, xs, _like(xs), key)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
@@ -384,10 +384,10 @@ def alltoall(
 
     xs, key = _prepare([tensor, split_array], process_set, "alltoall", RequestType.ALLTOALL, name, False, [], checks)
 
-    def kernel(key: str | None, array: np.ndarray, split: np.ndarray) -> list[np.ndarray]:
+    def kernel(key: str | None, array: np.ndarray, split: np.ndarray, fixed: bool) -> list[np.ndarray]:
         queued = binding.alltoall_submit(ADAPTER, array, split, name, process_set, key)
         result: list[np.ndarray] = queued.finish(binding.wait_all(queued.handles))
-        if key is not None and result[0].shape[0] != array.shape[0]:
+        if fixed and result[0].shape[0] != array.shape[0]:  # inside jit the shape was fixed when traced
             raise ValueError(
                 "hora.jax.alltoall inside jax.jit needs the same first dimension on every rank; call it outside jit"
             )
@@ -395,9 +395,9 @@ def alltoall(
 
     def forward(x: Any, s: Any) -> list[Any]:
         if not bridge.is_traced([x, s]):
-            return bridge.run(kernel, [x, s], [], None)
+            return bridge.run(functools.partial(kernel, fixed=False), [x, s], [], key)
         shapes = [_shape(x.shape, x.dtype), _shape((size,), jnp.int32)]
-        return bridge.run(kernel, [x, s], shapes, key)
+        return bridge.run(functools.partial(kernel, fixed=True), [x, s], shapes, key)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         if not _floats(dys[:1], xs[:1]):
@@ -444,7 +444,7 @@ def _reducescatter(
             _shape((x.shape[0] // size + (1 if me < x.shape[0] % size else 0), *x.shape[1:]), x.dtype)
             for x in xs
         ]
-        return bridge.run(kernel, xs, shapes, key if bridge.is_traced(xs) else None)
+        return bridge.run(kernel, xs, shapes, key)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
