@@ -384,3 +384,16 @@ def wait_all(handles: Sequence[Handle]) -> list[Any]:
     if error is not None:
         raise error
     return results
+
+
+ALIGNMENT = 64  # bytes: what TensorFlow's kernels and JAX's CPU client need to adopt a buffer
+
+
+def aligned_empty(count: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """A flat uninitialised array of ``count`` elements starting on an ``ALIGNMENT``
+    boundary, so a framework can adopt it as a tensor's buffer without a copy (NumPy's
+    own allocations are 16-byte aligned)."""
+    nbytes = count * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype)

@@ -60,7 +60,6 @@ from hora.collectives.reduce import data_type_of
 from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet
 
-ALIGNMENT = 64  # bytes; TensorFlow's kernels assume EIGEN_MAX_ALIGN_BYTES-aligned buffers
 Kernel = Callable[..., Any]
 
 XLA_MESSAGE = (
@@ -86,14 +85,6 @@ def view(tensor: Any) -> ops.Tensor:
     return ops.from_numpy(array)
 
 
-def empty(count: int, dtype: np.dtype[Any]) -> np.ndarray:
-    """A flat uninitialised array of ``count`` elements, aligned for TensorFlow."""
-    nbytes = count * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype)
-
-
 def wrap(array: np.ndarray, shape: Sequence[int], dtype: Any) -> Any:
     """A TensorFlow tensor of ``dtype`` over ``array`` (flat wire storage), reshaped.
 
@@ -106,7 +97,7 @@ def wrap(array: np.ndarray, shape: Sequence[int], dtype: Any) -> Any:
 
 
 def _adopt(array: np.ndarray) -> Any:
-    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+    if array.flags.c_contiguous and array.ctypes.data % binding.ALIGNMENT == 0:
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)
 
@@ -124,7 +115,7 @@ class TensorflowAdapter:
             raise ValueError(f"{what}: {exc}") from None
 
     def output(self, tensor: Any, wire: ops.Tensor) -> tuple[np.ndarray, Callable[[], Any]]:
-        out = empty(wire.data.size, wire.data.dtype)
+        out = binding.aligned_empty(wire.data.size, wire.data.dtype)
         return out, lambda: wrap(out, wire.shape, tensor.dtype)
 
     def wrap(self, array: np.ndarray, like: Any) -> Any:
