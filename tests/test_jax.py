@@ -4,7 +4,7 @@
   int32/int64, against the same computation done with NumPy on every rank's inputs.
 * A ``jit`` program of many independent collectives (no data dependencies between them,
   each its own shape, so a swapped name cannot pass), run many times: every run equals
-  the eager results.
+  the eager results; also through the ``io_callback`` fallback.
 * Gradients of every differentiable op, eagerly and under ``jit``, against central
   differences of the loss summed over the ranks (averaged for allgather and broadcast,
   as Horovod's gradients define them), computed with collectives.
@@ -151,9 +151,15 @@ def test_every_op_eager_and_jit(size: int) -> None:
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
 
 
-def independent_job(runs: int) -> list[str]:
-    """Many independent collectives in one jit, run many times, against eager."""
+def independent_job(runs: int, io_callback: bool) -> list[str]:
+    """Many independent collectives in one jit, run many times, against eager; with
+    ``io_callback``, through the fallback for a JAX without the internals hora's own
+    ordered callback uses."""
     jax, jnp, hvd = start()
+    if io_callback:
+        from hora.jax import bridge
+
+        bridge._host_call_primitive = lambda: None
     n, me = hvd.size(), hvd.rank()
 
     def program(xs: list[Any]) -> list[Any]:
@@ -180,9 +186,9 @@ def independent_job(runs: int) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_independent_collectives_in_one_jit(size: int) -> None:
-    results = run_ranks(size, independent_job, JIT_RUNS, timeout=300, env=JAX_ENV)
+@pytest.mark.parametrize(("size", "io_callback"), [(2, False), (3, False), (2, True)])
+def test_independent_collectives_in_one_jit(size: int, io_callback: bool) -> None:
+    results = run_ranks(size, independent_job, JIT_RUNS, io_callback, timeout=300, env=JAX_ENV)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
 
