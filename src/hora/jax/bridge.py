@@ -8,11 +8,10 @@ for every handle it queued, and returns NumPy arrays. ``run`` calls it:
   ``np.asarray`` (a read-only view, no copy); results are written into 64-byte aligned
   buffers that ``jax.device_put`` adopts without a copy (``adopt``).
 * Inside a trace (``jax.jit``, and the forward and backward passes of ``jax.grad``
-  under ``jit``), as one ordered host callback (``host_call``): XLA calls the kernel on
-  the host when the compiled program reaches it, with host copies of the inputs, and
-  copies the results into the program's buffers. That is one copy each way, which
-  a Python callback cannot avoid (``host_call`` says what it saves over
-  ``io_callback``).
+  under ``jit``), as one ordered host call (``host_call``): XLA calls the kernel when
+  the compiled program reaches it, with the program's own input buffers, and the
+  engine writes allreduce and broadcast results into the program's result buffers
+  (``hora.jax.ffi``; an ordered ``io_callback``, with copies, where JAX lacks the pieces).
 
 Why ordered callbacks. A kernel blocks until every rank of the set has submitted its
 collective. Were two independent callbacks of one program free to run in either order,
@@ -46,7 +45,6 @@ first run instead of waiting.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import sys
@@ -64,6 +62,7 @@ from hora.core.api import current
 from hora.collectives.reduce import data_type_of
 from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet
+from hora.jax import ffi
 
 Kernel = Callable[..., list[np.ndarray]]
 
@@ -74,10 +73,11 @@ _LIBRARY_PREFIXES = ("hora.", "jax.", "jaxlib.", "flax.", "optax.", "chex.", "co
 class JaxAdapter:
     """NumPy views of ``jax.Array`` s as the core moves them (``binding.Adapter``).
 
-    Kernels receive NumPy arrays (views of the jax.Arrays); results stay NumPy arrays
-    until ``run`` turns them into jax.Arrays (eagerly) or JAX copies them into the
-    program's buffers (inside jit). bfloat16 comes back from the core as uint16 and is
-    viewed back, no copy.
+    Kernels receive NumPy arrays (views of the jax.Arrays, or of the program's buffers
+    inside jit). Eagerly, results are aligned NumPy arrays that ``run`` hands to JAX;
+    inside jit, an adapter given the program's result buffers (``adapter(into)``) has
+    the engine write allreduce and broadcast results straight into them. bfloat16
+    travels as uint16 and is viewed back, no copy.
     """
 
     @staticmethod
@@ -92,7 +92,13 @@ class JaxAdapter:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{what}: {exc}") from None
 
+    def __init__(self, into: Sequence[np.ndarray] = ()) -> None:
+        self._into = list(into)  # the program's result buffers, taken in tensor order
+
     def output(self, tensor: np.ndarray, wire: ops.Tensor) -> tuple[np.ndarray, Callable[[], Any]]:
+        if self._into:  # inside jit (hora.jax.ffi): the engine writes into the program's buffer
+            target = self._into.pop(0)
+            return target.reshape(-1).view(wire.data.dtype), lambda: target
         output = binding.aligned_empty(wire.data.size, wire.data.dtype)
         return output, lambda: self._restore(output.reshape(wire.shape), tensor.dtype)
 
@@ -110,6 +116,12 @@ class JaxAdapter:
 
 
 ADAPTER = JaxAdapter()
+
+
+def adapter(into: Sequence[np.ndarray]) -> JaxAdapter:
+    """The adapter for a kernel given the program's result buffers ``into`` (empty: eager,
+    or a callback whose results XLA copies in)."""
+    return JaxAdapter(into) if into else ADAPTER
 
 
 def is_traced(values: Sequence[Any]) -> bool:
@@ -216,8 +228,8 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDty
     if not is_traced(inputs):
         return [adopt(y) for y in kernel(key, *[host_view(x) for x in inputs])]
 
-    def body(*arrays: Any) -> list[np.ndarray]:
-        return kernel(key, *[host_view(a) for a in arrays])
+    def body(arrays: list[np.ndarray], outputs: list[np.ndarray]) -> list[np.ndarray]:
+        return kernel(key, *arrays, into=outputs)
 
     return host_call(body, inputs, out_shapes)
 
@@ -228,65 +240,22 @@ def adopt(array: np.ndarray) -> Any:
     return jax.device_put(array)
 
 
-def host_call(body: Callable[..., list[np.ndarray]], inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDtypeStruct]) -> list[Any]:
-    """``body(*arrays)`` as an ordered host callback of the program being traced.
+def host_call(
+    body: Callable[[list[np.ndarray], list[np.ndarray]], list[np.ndarray]],
+    inputs: Sequence[Any],
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+) -> list[Any]:
+    """``body(arrays, outputs)`` as one ordered host call of the program being traced.
 
-    ``io_callback(ordered=True)`` puts every input through ``jax.device_put`` before the
-    callback sees it: a second copy of what XLA already copied out for the host, and an
-    unaligned one (7 ms per 7 MB here, 59 ms for 64 MiB). ``_host_call_primitive`` emits
-    the same ordered callback (JAX's own ordering effect and token, so it stays in
-    order with every ``io_callback`` of the program) and hands the body XLA's copies as
-    they are. It is built from JAX internals (``jax._src.callback``), so where they are
-    missing this falls back to ``io_callback``, same semantics, one copy more.
+    An XLA FFI custom call (``hora.jax.ffi``) where this JAX has what it needs: the body
+    reads the program's input buffers in place and may write its results straight into
+    ``outputs``, the program's result buffers. Elsewhere an ordered ``io_callback``, with
+    no outputs to write into (XLA copies the results in).
     """
-    primitive = _host_call_primitive()
-    if primitive is None:
-        return list(io_callback(body, list(out_shapes), *inputs, ordered=True))
-    avals = tuple(jax.core.ShapedArray(tuple(s.shape), s.dtype) for s in out_shapes)
-    return list(primitive.bind(*inputs, body=body, out_avals=avals))
-
-
-@functools.cache
-def _host_call_primitive() -> Any:
-    """The primitive behind ``host_call``, registered with JAX once; None where this JAX
-    lacks the internals it needs."""
-    try:
-        from jax._src import callback as jax_callback
-        from jax._src import dispatch
-        from jax.extend.core import Primitive
-        from jax.interpreters import mlir
-
-        effect = jax_callback._OrderedIOEffect
-        emit = jax_callback.emit_python_callback
-    except (ImportError, AttributeError):
-        return None
-
-    primitive = Primitive("hora_collective")
-    primitive.multiple_results = True
-
-    def abstract(*avals: Any, body: Any, out_avals: tuple[Any, ...]) -> tuple[list[Any], set[Any]]:
-        return list(out_avals), {effect}
-
-    def lower(ctx: Any, *operands: Any, body: Any, out_avals: tuple[Any, ...]) -> Any:
-        token = ctx.tokens_in.get(effect)
-        results, token, _ = emit(
-            ctx,
-            lambda *arrays: tuple(body(*arrays)),
-            token,
-            list(operands),
-            ctx.avals_in,
-            ctx.avals_out,
-            has_side_effect=True,
-            returns_token=True,
-        )
-        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
-        return results
-
-    primitive.def_effectful_abstract_eval(abstract)  # type: ignore[no-untyped-call]
-    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))  # type: ignore[no-untyped-call]
-    mlir.register_lowering(primitive, lower, cacheable=False)
-    dispatch.prim_requires_devices_during_lowering.add(primitive)
-    return primitive
+    calls = ffi.HostCalls.create()
+    if calls is None:
+        return list(io_callback(lambda *arrays: body([host_view(a) for a in arrays], []), list(out_shapes), *inputs, ordered=True))
+    return calls.bind(body, inputs, out_shapes)
 
 
 def outputs(queued: binding.Queued, grouped: bool) -> list[Any]:

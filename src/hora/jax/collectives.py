@@ -160,8 +160,9 @@ def _allreduce(
     kind = RequestType.ADASUM if op == ADASUM else RequestType.ALLREDUCE
     xs, key = _prepare(tensors, process_set, what, kind, name, grouped, [op, prescale, postscale])
 
-    def kernel(key: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
-        queued = binding.allreduce_submit(ADAPTER, arrays, name, op, prescale, postscale, process_set, False, grouped, key)
+    def kernel(key: str | None, *arrays: np.ndarray, into: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
+        adapter = bridge.adapter(into)
+        queued = binding.allreduce_submit(adapter, arrays, name, op, prescale, postscale, process_set, False, grouped, key)
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
@@ -253,7 +254,7 @@ def _allgather(tensors: Sequence[Any], name: str | None, process_set: ProcessSet
     xs, key = _prepare(tensors, process_set, what, RequestType.ALLGATHER, name, grouped, [], _not_scalar(what))
     size = _set_size(process_set)
 
-    def kernel(key: str | None, *arrays: np.ndarray, fixed: bool) -> list[np.ndarray]:
+    def kernel(key: str | None, *arrays: np.ndarray, fixed: bool, into: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
         results = bridge.outputs(binding.allgather_submit(ADAPTER, arrays, name, process_set, grouped, key), grouped)
         if fixed:  # inside jit the result's shape was fixed when traced
             for result, array in zip(results, arrays):
@@ -315,8 +316,8 @@ def _broadcast(
 
     xs, key = _prepare(tensors, process_set, what, RequestType.BROADCAST, name, grouped, [root], root_is_member)
 
-    def kernel(key: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
-        queued = binding.broadcast_submit(ADAPTER, arrays, root, name, process_set, False, grouped, key)
+    def kernel(key: str | None, *arrays: np.ndarray, into: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
+        queued = binding.broadcast_submit(bridge.adapter(into), arrays, root, name, process_set, False, grouped, key)
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
@@ -384,7 +385,9 @@ def alltoall(
 
     xs, key = _prepare([tensor, split_array], process_set, "alltoall", RequestType.ALLTOALL, name, False, [], checks)
 
-    def kernel(key: str | None, array: np.ndarray, split: np.ndarray, fixed: bool) -> list[np.ndarray]:
+    def kernel(
+        key: str | None, array: np.ndarray, split: np.ndarray, fixed: bool, into: Sequence[np.ndarray] = ()
+    ) -> list[np.ndarray]:
         queued = binding.alltoall_submit(ADAPTER, array, split, name, process_set, key)
         result: list[np.ndarray] = queued.finish(binding.wait_all(queued.handles))
         if fixed and result[0].shape[0] != array.shape[0]:  # inside jit the shape was fixed when traced
@@ -435,7 +438,7 @@ def _reducescatter(
     )
     size, me = _set_size(process_set), _set_rank(process_set)
 
-    def kernel(key: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
+    def kernel(key: str | None, *arrays: np.ndarray, into: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
         queued = binding.reducescatter_submit(ADAPTER, arrays, name, op, process_set, prescale, postscale, grouped, key)
         return bridge.outputs(queued, grouped)
 
