@@ -11,10 +11,10 @@ MXNET_STAMP := $(MXNET_VENV)/.installed
 
 .PHONY: demo test test-mxnet check install typecheck layers clean
 
-$(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt
+$(STAMP): pyproject.toml requirements/frameworks.txt requirements/launchers.txt requirements/integrations.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/frameworks.txt -r requirements/launchers.txt
+	$(PY) -m pip install --quiet -r requirements/frameworks.txt -r requirements/launchers.txt -r requirements/integrations.txt
 	$(PY) -m pip install --quiet -e '.[test]'
 	# Keras 2 for the TF_USE_LEGACY_KERAS=1 tests; without --no-deps it pulls the full tensorflow wheel.
 	$(PY) -m pip install --quiet --no-deps tf_keras==2.21.0

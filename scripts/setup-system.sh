@@ -2,7 +2,8 @@
 # Installs the Debian packages hora's launcher tests start for real: OpenSSH (a server per
 # network-namespace "host"), iproute2 (namespaces, veth pairs), nftables and iptables (a
 # blocked port for `horarun doctor`), Open MPI and MPICH (mpirun / mpiexec.mpich and the
-# headers mpi4py builds against), Slurm and munge (a one-machine cluster for srun).
+# headers mpi4py builds against), Slurm and munge (a one-machine cluster for srun), and a Java
+# runtime for PySpark's executors (hora.spark's tests).
 #
 # Idempotent and fast when everything is there: it asks dpkg first and runs apt-get only
 # for what is missing. Needs root (CI runs as root); without root it says so and exits 1.
@@ -12,6 +13,7 @@ PACKAGES=(
     openssh-server openssh-client iproute2 nftables iptables procps
     openmpi-bin libopenmpi-dev mpich libmpich-dev
     slurm-wlm slurmctld slurmd slurm-client munge
+    openjdk-17-jre-headless
 )
 
 # dpkg-query exits 1 when some package is unknown to dpkg (never installed on this machine),
