@@ -361,6 +361,10 @@ def test_check_build_reports_what_is_there() -> None:
     assert out.startswith("hora v") and "Available Frameworks:" in out and "[X] NumPy" in out
     assert "Available Transports:" in out and "[X] TCP" in out and "NCCL" in out
     assert "Available Launchers:" in out and "[X] horarun on this machine" in out and "torchrun-style" in out
+    # make test installs every integration (requirements/integrations.txt)
+    assert "Available Integrations:" in out
+    for integration in ("Ray", "Spark", "Lightning"):
+        assert f"[X] {integration} " in out and f"(hora.{integration.lower()})" in out, out
     assert subprocess.run([PY, "-m", "hora.runner", "-cb"], capture_output=True, text=True).stdout == out
 
 

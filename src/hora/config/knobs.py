@@ -458,6 +458,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_SSH_OPTIONS", Text(), None, "launcher",
          "extra `ssh` arguments for reaching remote hosts, split as a shell would, e.g. "
          "`-F ~/.ssh/cluster_config`", shown_default="unset"),
+    Knob("HORA_SPARK_START_TIMEOUT", Number(strict=True), 600.0, "launcher",
+         "seconds `hora.spark.run` waits for Spark to start every task of its stage (its `start_timeout` "
+         "argument wins)", ("HOROVOD_SPARK_START_TIMEOUT",)),
 )
 
 BY_NAME: Mapping[str, Knob] = {knob.name: knob for knob in KNOBS}

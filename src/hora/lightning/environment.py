@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from typing_extensions import override
 
 import hora.torch as hvd
+from hora.config import knobs
 
 log = logging.getLogger(__name__)
 
-# Variables that mark a process started by horarun or hora.run (Horovod's names too).
-_HORA_LAUNCH_VARIABLES = ("HORA_RANK", "HOROVOD_RANK")
+
+
+def _read(name: str) -> Any:
+    """A launcher variable through hora's knobs (Horovod's alias too); None when unset or
+    not valid (the environment only informs Lightning here: ``hvd.init()`` checks it)."""
+    try:
+        return knobs.read(name, os.environ, None)
+    except ValueError:
+        return None
 
 
 class HoraEnvironment(ClusterEnvironment):
@@ -56,15 +65,18 @@ class HoraEnvironment(ClusterEnvironment):
         hora does not use ``torch.distributed``, so Lightning never connects to it
         through this address; it is reported as the launcher gave it.
         """
-        return os.environ.get("HORA_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        address = _read("HORA_RENDEZVOUS_ADDR")
+        return str(address) if address else os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
     @property
     @override
     def main_port(self) -> int:
         """The rendezvous port the launcher gave (0 when it gave none); informational, as ``main_address``."""
-        text = os.environ.get("HORA_RENDEZVOUS_PORT") or os.environ.get("MASTER_PORT") or "0"
+        port = _read("HORA_RENDEZVOUS_PORT")
+        if port is not None:
+            return int(port)
         try:
-            return int(text)
+            return int(os.environ.get("MASTER_PORT") or 0)
         except ValueError:
             return 0
 
@@ -77,7 +89,7 @@ class HoraEnvironment(ClusterEnvironment):
             True when ``horarun``/``hora.run`` started the process (``HORA_RANK`` or
             ``HOROVOD_RANK`` is set) or ``hvd.init()`` has been called.
         """
-        return hvd.is_initialized() or any(name in os.environ for name in _HORA_LAUNCH_VARIABLES)
+        return hvd.is_initialized() or _read("HORA_RANK") is not None
 
     @override
     def world_size(self) -> int:

@@ -43,7 +43,7 @@ from hora.ray.outcome import Outcome, WorkerError
 from hora.ray.static import WORKER_ENV
 from hora.ray.topology import node_label
 from hora.ray.worker import BaseHoraWorker, node_ip_address
-from hora.runner.elastic.assignment import host_assignments, pending_slots
+from hora.runner.elastic.assignment import host_assignments, pending_slots, world_of
 from hora.runner.elastic.discovery import DiscoveredHosts, HostManager
 from hora.runner.elastic.settings import RESET_LIMIT_EXCEEDED_MESSAGE
 from hora.runner.hosts import SlotInfo
@@ -285,14 +285,10 @@ class ElasticJob:
         pending = pending_slots(assignment, running)
         self._generation += 1
         generation = self._generation
-        places = {
-            worlds.slot_name(s.hostname, s.local_rank): (
-                s.rank, s.size, s.local_rank, s.local_size, s.cross_rank, s.cross_size
-            )
-            for s in assignment
-        }  # fmt: skip
+        world = world_of(generation, assignment, self._host_updates)
+        places = world.places
         assert self._server is not None
-        self._server.put(worlds.world_key(generation), worlds.World(generation, places, self._host_updates).encode())
+        self._server.put(worlds.world_key(generation), world.encode())
         self._assignment = assignment
         for member in self._alive():
             if member.slot in places:

@@ -32,6 +32,12 @@ FRAMEWORKS = (
     ("JAX", ("jax",), "jax", "hora.jax"),
     ("MXNet", ("mxnet",), "mxnet", "hora.mxnet"),
 )
+# The cluster engines hora runs on: (shown name, distribution names, import name, hora module)
+INTEGRATIONS = (
+    ("Ray", ("ray",), "ray", "hora.ray"),
+    ("Spark", ("pyspark",), "pyspark", "hora.spark"),
+    ("Lightning", ("lightning",), "lightning", "hora.lightning"),
+)
 
 
 def _importable(name: str) -> bool:
@@ -54,9 +60,10 @@ def _box(ok: bool) -> str:
     return "[X]" if ok else "[ ]"
 
 
-def framework_lines() -> list[str]:
+def framework_lines(table: tuple[tuple[str, tuple[str, ...], str, str], ...] = FRAMEWORKS) -> list[str]:
+    """One line per framework (or integration) of ``table``: installed, and whether hora has its module."""
     lines = []
-    for shown, distributions, module, binding in FRAMEWORKS:
+    for shown, distributions, module, binding in table:
         version = _version(distributions)
         installed = version is not None and _importable(module)
         has_binding = _importable(binding)
@@ -110,5 +117,6 @@ def report() -> str:
     lines = [f"hora v{__version__} (Python {platform.python_version()}, {sys.executable})", ""]
     lines += ["Available Frameworks:", *framework_lines(), ""]
     lines += ["Available Transports:", *transport_lines(), ""]
-    lines += ["Available Launchers:", *launcher_lines()]
+    lines += ["Available Launchers:", *launcher_lines(), ""]
+    lines += ["Available Integrations:", *framework_lines(INTEGRATIONS)]
     return "\n".join(lines)

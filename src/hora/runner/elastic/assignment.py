@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from hora.runner.hosts import HostSpec, SlotInfo, assign_slots
+from hora.transport import worlds
 
 NO_PREVIOUS_HOST_MESSAGE = "No hosts from previous set remaining, unable to broadcast state."
 """Horovod's message when no host of the previous assignment is left."""
@@ -79,3 +80,15 @@ def pending_slots(assignments: Sequence[SlotInfo], running: Collection[tuple[str
         The slots of ``assignments`` without a running worker, in rank order.
     """
     return [slot for slot in assignments if (slot.hostname, slot.local_rank) not in running]
+
+
+def world_of(generation: int, assignment: Sequence[SlotInfo], hosts_index: int) -> worlds.World:
+    """The world record of an assignment: each slot's place (rank, size, local and cross)
+    under its slot name, as every elastic driver publishes it."""
+    places = {
+        worlds.slot_name(slot.hostname, slot.local_rank): (
+            slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size
+        )
+        for slot in assignment
+    }  # fmt: skip
+    return worlds.World(generation, places, hosts_index)

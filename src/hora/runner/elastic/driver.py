@@ -47,7 +47,7 @@ from typing import NoReturn
 
 from hora.elastic import HostUpdateResult
 from hora.runner import hosts as hostnames
-from hora.runner.elastic.assignment import host_assignments, pending_slots
+from hora.runner.elastic.assignment import host_assignments, pending_slots, world_of
 from hora.runner.elastic.discovery import DiscoveredHosts, FixedHosts, HostManager, make_discovery
 from hora.runner.elastic.settings import RESET_LIMIT_EXCEEDED_MESSAGE, ElasticSettings
 from hora.runner.hosts import SlotInfo
@@ -283,14 +283,10 @@ class ElasticDriver:
         self._place([slot for slot in pending if slot.hostname not in self._reach])
         self._generation += 1
         generation = self._generation
-        places = {
-            worlds.slot_name(slot.hostname, slot.local_rank): (
-                slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size
-            )
-            for slot in assignment
-        }  # fmt: skip
+        world = world_of(generation, assignment, self._host_updates)
+        places = world.places
         assert self._server is not None
-        self._server.put(worlds.world_key(generation), worlds.World(generation, places, self._host_updates).encode())
+        self._server.put(worlds.world_key(generation), world.encode())
         self._assignment = assignment
         self._sizes.append(len(assignment))
         for member in self._alive():
