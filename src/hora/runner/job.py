@@ -31,7 +31,6 @@ state; the other threads only post events and record exits.
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 import re
 import signal
@@ -46,10 +45,10 @@ from hora.runner.hosts import SlotInfo
 from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink
 from hora.runner.placement import Placement, plan_placement
-from hora.runner.settings import LaunchSettings, rank_env, remote_env
-from hora.runner.ssh import SshSettings, remote_python_command
+from hora.runner.settings import LaunchSettings
+from hora.runner.ssh import SshSettings
 from hora.runner.tracebacks import LastTraceback
-from hora.runner.workers import Event, RemoteLaunch, Worker, kill_workers, signal_name, stop_workers
+from hora.runner.workers import Event, Worker, kill_workers, launch, signal_name, stop_workers
 from hora.transport import auth
 from hora.transport.rendezvous_server import RendezvousServer
 
@@ -266,39 +265,19 @@ class Job:
     def _start_all(self, port: int, secret: bytes) -> str | None:
         settings = self._settings
         placement = self._placement
-        cwd = os.getcwd()
         for slot in self._slots:
             rendezvous = (placement.rendezvous_addr[slot.hostname], port)
-            remote: RemoteLaunch | None = None
-            if placement.is_remote(slot.hostname):
-                assert placement.ssh is not None
-                remote = RemoteLaunch(
-                    ssh_command=tuple(placement.ssh.command(slot.hostname, remote_python_command([], self._base_env))),
-                    env=remote_env(self._base_env, settings, slot, rendezvous, secret),
-                    cwd=cwd,
-                    grace=self._grace,
-                )
-                env = dict(self._base_env)  # for ssh itself
-            else:
-                env = rank_env(self._base_env, settings, slot, rendezvous, secret)
+            ssh = placement.ssh if placement.is_remote(slot.hostname) else None
+            assert ssh is not None or not placement.is_remote(slot.hostname)
             try:
-                worker = Worker.start(
-                    slot,
-                    settings.command,
-                    env,
-                    self._events,
-                    self._stdout,
-                    self._stderr,
-                    settings.output_filename,
-                    settings.prefix_timestamp,
-                    remote,
-                )
+                worker = launch(
+                    slot, settings, self._base_env, rendezvous, secret, ssh, self._events, self._stdout, self._stderr,
+                    self._grace, self._lifeline,
+                )  # fmt: skip
             except OSError as exc:
-                program = "ssh" if remote is not None else " ".join(settings.command)
+                program = "ssh" if ssh is not None else " ".join(settings.command)
                 return f"cannot start rank {slot.rank} ({program!r}): {exc.strerror or exc}"
             self._workers.append(worker)
-            if remote is None and self._lifeline is not None:
-                self._lifeline.watch(worker.local_pid)  # its group: start_new_session made it the leader
         return None
 
     def _watch(self, deadline: float | None) -> tuple[int | None, bool]:

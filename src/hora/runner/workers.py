@@ -35,7 +35,10 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, BinaryIO
 
 from hora.runner.hosts import SlotInfo
+from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink, StreamForwarder, rank_dir
+from hora.runner.settings import LaunchSettings, rank_env, remote_env
+from hora.runner.ssh import SshSettings, remote_python_command
 from hora.runner.tracebacks import LastTraceback
 
 # Events posted to a job's queue: ("exit", rank or event id) by waiters, ("signal", signum) by
@@ -332,6 +335,61 @@ class Worker:
         deadline = time.monotonic() + timeout
         for forwarder in self._forwarders:
             forwarder.join(max(0.0, deadline - time.monotonic()))
+
+
+def launch(
+    slot: SlotInfo,
+    settings: LaunchSettings,
+    base_env: Mapping[str, str],
+    rendezvous: tuple[str, int],
+    secret: bytes,
+    ssh: SshSettings | None,
+    events: queue.SimpleQueue[Event],
+    stdout: Sink,
+    stderr: Sink,
+    grace: float,
+    lifeline: Lifeline | None,
+    event_id: int | None = None,
+) -> Worker:
+    """Starts the rank of ``slot`` as ``horarun`` and the elastic driver do: here with its
+    whole environment (and watched by the lifeline), or, given ``ssh``, on its host over
+    ssh with the rank's environment sent there (``RemoteLaunch``).
+
+    Args:
+        rendezvous: the address and port the rank reaches the rendezvous server at.
+        secret: the job secret.
+        grace: seconds between SIGTERM and SIGKILL when a remote rank is stopped.
+        event_id: see ``Worker.start``.
+
+    Raises:
+        OSError: the command (or ssh) cannot be started.
+    """
+    remote: RemoteLaunch | None = None
+    if ssh is not None:
+        remote = RemoteLaunch(
+            ssh_command=tuple(ssh.command(slot.hostname, remote_python_command([], base_env))),
+            env=remote_env(base_env, settings, slot, rendezvous, secret),
+            cwd=os.getcwd(),
+            grace=grace,
+        )
+        env = dict(base_env)  # for ssh itself
+    else:
+        env = rank_env(base_env, settings, slot, rendezvous, secret)
+    worker = Worker.start(
+        slot,
+        settings.command,
+        env,
+        events,
+        stdout,
+        stderr,
+        settings.output_filename,
+        settings.prefix_timestamp,
+        remote,
+        event_id=event_id,
+    )
+    if remote is None and lifeline is not None:
+        lifeline.watch(worker.local_pid)  # its group: start_new_session made it the leader
+    return worker
 
 
 def stop_workers(

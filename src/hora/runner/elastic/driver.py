@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import signal
 import threading
@@ -55,9 +54,9 @@ from hora.runner.job import GRACE_PERIOD
 from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink
 from hora.runner.placement import ANY, LOOPBACK, HostsError, plan_placement
-from hora.runner.settings import LaunchSettings, rank_env, remote_env
-from hora.runner.ssh import HostInfo, SshSettings, probe_hosts, remote_python_command
-from hora.runner.workers import Event, RemoteLaunch, Worker, describe_status, signal_name, stop_workers
+from hora.runner.settings import LaunchSettings
+from hora.runner.ssh import HostInfo, SshSettings, probe_hosts
+from hora.runner.workers import Event, Worker, describe_status, launch, signal_name, stop_workers
 from hora.transport import auth, worlds
 from hora.transport.rendezvous_server import RendezvousServer
 
@@ -349,36 +348,16 @@ class ElasticDriver:
         }
         settings = dataclasses.replace(self._settings, env={**(self._settings.env or {}), **env_extra})
         rendezvous = (self._reach[slot.hostname], self._server.port)
-        remote: RemoteLaunch | None = None
-        if slot.hostname in self._remote:
-            remote = RemoteLaunch(
-                ssh_command=tuple(self._ssh.command(slot.hostname, remote_python_command([], self._base_env))),
-                env=remote_env(self._base_env, settings, slot, rendezvous, self._secret),
-                cwd=os.getcwd(),
-                grace=self._grace,
-            )
-            env = dict(self._base_env)
-        else:
-            env = rank_env(self._base_env, settings, slot, rendezvous, self._secret)
+        ssh = self._ssh if slot.hostname in self._remote else None
         number = len(self._members)
         try:
-            worker = Worker.start(
-                slot,
-                settings.command,
-                env,
-                self._events,
-                self._stdout,
-                self._stderr,
-                settings.output_filename,
-                settings.prefix_timestamp,
-                remote,
-                event_id=number,
-            )
+            worker = launch(
+                slot, settings, self._base_env, rendezvous, self._secret, ssh, self._events, self._stdout,
+                self._stderr, self._grace, self._lifeline, event_id=number,
+            )  # fmt: skip
         except OSError as exc:
             raise JobStopped(f"cannot start a worker on {slot.hostname}: {exc.strerror or exc}", 127) from None
         self._members[number] = _Member(worker, slot.hostname, slot.local_rank, generation)
-        if remote is None and self._lifeline is not None:
-            self._lifeline.watch(worker.local_pid)
 
     # ----- the watch loop -----
 
