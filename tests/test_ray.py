@@ -134,6 +134,29 @@ def test_execute_execute_single_and_run_remote(executor: RayExecutor) -> None:
     assert ray.get(refs) == [(0, 42), (1, 42)]
 
 
+def log_epochs() -> int:
+    from hora.ray import ray_logger
+
+    rank = int(os.environ["HORA_RANK"])
+    for epoch in range(3):
+        ray_logger.log({"rank": rank, "epoch": epoch})
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_callbacks_receive_what_the_ranks_log(executor: RayExecutor) -> None:
+    seen: list[dict[str, int]] = []
+    assert executor.run(log_epochs, callbacks=[seen.append]) == [0, 1]
+    # every value reaches the driver before run returns; each rank's in its own order
+    for rank in (0, 1):
+        assert [item["epoch"] for item in seen if item["rank"] == rank] == [0, 1, 2]
+    assert len(seen) == 6
+    with pytest.warns(UserWarning, match="no callbacks"):
+        from hora.ray import ray_logger
+
+        ray_logger.log({"outside": "a call"})
+
+
 def raise_on_rank_one() -> None:
     import torch
 
@@ -328,6 +351,6 @@ def test_calls_need_a_started_executor() -> None:
     executor = RayExecutor(None, num_workers=2)
     with pytest.raises(RuntimeError, match="call start"):
         executor.run(lambda: None)
-    with pytest.raises(NotImplementedError, match="callbacks"):
+    with pytest.raises(RuntimeError, match="call start"):
         executor.run(lambda: None, callbacks=[print])
     executor.shutdown()  # nothing to stop: fine

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from hora.ray.placement import place
+from hora.ray.ray_logger import Relay
 from hora.ray.settings import RaySettings, create_settings
 from hora.ray.static import StaticJob
 
@@ -211,7 +212,8 @@ class RayExecutor:
             fn: the function; it calls ``hvd.init()`` to join the job.
             args: its positional arguments.
             kwargs: its keyword arguments.
-            callbacks: not supported (Horovod's rank-0 log queue); must be empty.
+            callbacks: each is called on the driver with every value a rank sends
+                with ``hora.ray.ray_logger.log`` while the call runs.
             timeout: seconds after which the ranks are stopped; None: no limit.
 
         Returns:
@@ -222,11 +224,7 @@ class RayExecutor:
             TimeoutError: ``timeout`` passed.
             RuntimeError: the executor is not started, or an elastic job failed.
         """
-        _no_callbacks(callbacks)
-        call = _Call(fn, args or (), kwargs or {})
-        if self._elastic is not None:
-            return list(self._elastic.run(call, _name(fn), timeout))
-        return self._static("run").call(call, _name(fn), timeout)
+        return self._call(_Call(fn, args or (), kwargs or {}), _name(fn), callbacks, timeout)
 
     def execute(
         self,
@@ -239,17 +237,29 @@ class RayExecutor:
 
         Args:
             fn: the function, given the worker's executable (None without one).
-            callbacks: not supported; must be empty.
+            callbacks: as ``run``'s.
             timeout: seconds after which the ranks are stopped; None: no limit.
 
         Raises:
             WorkerError: a rank raised.
             TimeoutError: ``timeout`` passed.
         """
-        _no_callbacks(callbacks)
-        if self._elastic is not None:
-            return list(self._elastic.run(fn, _name(fn), timeout))
-        return self._static("execute").call(fn, _name(fn), timeout)
+        return self._call(fn, _name(fn), callbacks, timeout, "execute")
+
+    def _call(
+        self,
+        func: Callable[[Any], Any],
+        name: str,
+        callbacks: Sequence[Callable[[Any], Any]] | None,
+        timeout: float | None,
+        method: str = "run",
+    ) -> list[Any]:
+        """Calls ``func(executable)`` on every rank, relaying logged values to ``callbacks``."""
+        on_ranks = self._elastic.run if self._elastic is not None else self._static(method).call
+        if not callbacks:
+            return list(on_ranks(func, name, timeout))
+        with Relay(callbacks) as relay:
+            return list(on_ranks(relay.wrap(func), name, timeout))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Calls ``fn(executable)`` on rank 0 only and returns its value.
@@ -276,11 +286,3 @@ class RayExecutor:
     def workers(self) -> list[Any]:
         """The actors, by rank (a job of a fixed size, once started)."""
         return self._static("workers").workers
-
-
-def _no_callbacks(callbacks: Sequence[Callable[[Any], None]] | None) -> None:
-    if callbacks:
-        raise NotImplementedError(
-            "hora.ray: callbacks (Horovod's queue of values logged by rank 0) are not supported; "
-            "return values from the function instead"
-        )
