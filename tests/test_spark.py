@@ -8,7 +8,9 @@ real, each a child process of its Spark task on an executor.
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -23,6 +25,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs Java: neither java on PATH nor JAVA_HOME", allow_module_level=True)
 
 import hora.spark  # noqa: E402
+from hora.spark import elastic as spark_elastic  # noqa: E402
 from hora.spark import runner as spark_runner  # noqa: E402
 from hora.spark.task import place  # noqa: E402
 
@@ -203,10 +206,150 @@ def test_arguments_are_checked_before_anything_starts(spark, monkeypatch):
         hora.spark.run(lambda: 1, num_proc=1)
 
 
-@pytest.mark.timeout(10)
-def test_run_elastic_says_it_is_not_available():
-    with pytest.raises(NotImplementedError, match="run_elastic is not available yet"):
-        hora.spark.run_elastic(lambda: 1, num_proc=2, min_num_proc=1)
+def _elastic_counter(log_path: str, steps: int, kill_at: int, kill_task: bool = False) -> tuple[int, int, int, float]:
+    """Trains a counter: each step allreduces one per rank into ``state.total`` and commits.
+
+    Rank 0 logs every committed step with the world's size. With ``kill_at``, the rank
+    that started as rank 1 of world 0 kills itself at that step, before its commit.
+    """
+    import json
+    import signal
+
+    import numpy as np
+
+    import hora.numpy as hvd
+    from hora.numpy import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(step=0, total=0.0)
+    first_world = os.environ.get("HORA_ELASTIC_GENERATION") == "0" and hvd.rank() == 1
+
+    @elastic.run
+    def train(state: Any) -> None:
+        while state.step < steps:
+            x = hvd.allreduce(np.ones(1), op=hvd.Sum)
+            state.total = state.total + float(x[0])
+            state.step += 1
+            if kill_at and state.step == kill_at and first_world:
+                # Lost mid-training: the rank alone, or (kill_task) its Spark task's Python worker,
+                # as when an executor is lost; the rank's guardian then stops the rank too.
+                os.kill(os.getppid() if kill_task else os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            state.commit()
+            if hvd.rank() == 0:
+                with open(log_path, "a") as handle:
+                    handle.write(json.dumps({"step": state.step, "size": hvd.size(), "total": state.total}) + "\n")
+            time.sleep(0.02)
+
+    train(state)
+    value = (hvd.rank(), hvd.size(), state.step, state.total)
+    hvd.shutdown()
+    return value
+
+
+def _committed_sizes(log_path: Path, steps: int) -> list[int]:
+    """Checks that no committed step was lost or counted twice; returns the world sizes seen, in order.
+
+    A step whose commit raised (a reset) is not logged; it ran in the world of the step
+    before it, and the logged total says so (as tests/test_elastic_horarun.py checks).
+    """
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    assert rows, "nothing was committed"
+    assert [row["step"] for row in rows] == sorted({row["step"] for row in rows}), "a committed step repeats"
+    total, previous, size = 0.0, 0, rows[0]["size"]
+    for row in rows:
+        skipped = row["step"] - previous - 1
+        assert skipped in (0, 1), f"steps {previous + 1}..{row['step'] - 1} were lost"
+        total += skipped * size + row["size"]
+        size, previous = row["size"], row["step"]
+        assert row["total"] == total, f"step {row['step']}: total {row['total']}, expected {total}"
+    assert rows[-1]["step"] == steps
+    sizes = [rows[0]["size"]]
+    for row in rows:
+        if row["size"] != sizes[-1]:
+            sizes.append(row["size"])
+    return sizes
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_returns_every_ranks_result_in_rank_order(spark, tmp_path):
+    log_path = tmp_path / "log"
+    results = hora.spark.run_elastic(
+        _elastic_counter, args=(str(log_path), 10, 0), num_proc=2, min_num_proc=1, elastic_timeout=60,
+        stdout=io.StringIO(), verbose=0,
+    )  # fmt: skip
+    assert results == [(0, 2, 10, 20.0), (1, 2, 10, 20.0)]
+    assert _committed_sizes(log_path, 10) == [2]
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_goes_on_from_the_last_commit_when_a_rank_is_killed(spark, tmp_path):
+    log_path = tmp_path / "log"
+    begin = time.monotonic()
+    results = hora.spark.run_elastic(
+        _elastic_counter, args=(str(log_path), 30, 8), num_proc=2, min_num_proc=1, elastic_timeout=60,
+        stdout=io.StringIO(), stderr=io.StringIO(), verbose=0,
+    )  # fmt: skip
+    # The survivor goes on alone from the last commit: one rank, every step counted once.
+    assert _committed_sizes(log_path, 30) == [2, 1]
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert len(results) == 1 and results[0][:3] == (0, 1, 30) and results[0][3] == rows[-1]["total"]
+    assert time.monotonic() - begin < 60
+    # The SparkContext is still usable.
+    assert spark.sparkContext.parallelize(range(4), 2).map(lambda x: x * x).sum() == 14
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_goes_on_when_a_spark_task_is_lost(spark, tmp_path, caplog):
+    log_path = tmp_path / "log"
+    results = hora.spark.run_elastic(
+        _elastic_counter, args=(str(log_path), 30, 8, True), num_proc=2, min_num_proc=1, elastic_timeout=60,
+        stdout=io.StringIO(), stderr=io.StringIO(), verbose=0,
+    )  # fmt: skip
+    # The driver saw the agent go; Spark re-ran its task, and the new agent joined the next world
+    # or a later one: no committed step was lost or counted twice.
+    assert "its agent spark-" in caplog.text and "was lost" in caplog.text
+    assert _committed_sizes(log_path, 30) in ([2], [2, 1], [2, 1, 2])
+    assert [result[:3] for result in results] == [(rank, len(results), 30) for rank in range(len(results))]
+    assert spark.sparkContext.parallelize(range(4), 2).map(lambda x: x * x).sum() == 14
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_stops_with_horovods_message_at_the_reset_limit(spark, tmp_path):
+    from hora.runner.elastic.settings import RESET_LIMIT_EXCEEDED_MESSAGE
+
+    with pytest.raises(RuntimeError, match=re.escape(RESET_LIMIT_EXCEEDED_MESSAGE.format(0))):
+        hora.spark.run_elastic(
+            _elastic_counter, args=(str(tmp_path / "log"), 30, 4), num_proc=2, min_num_proc=1, reset_limit=0,
+            elastic_timeout=60, stdout=io.StringIO(), stderr=io.StringIO(), verbose=0,
+        )  # fmt: skip
+    assert spark.sparkContext.parallelize(range(4), 2).map(lambda x: x * x).sum() == 14
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_fails_within_the_start_timeout_without_enough_task_slots(spark):
+    begin = time.monotonic()
+    # Two task slots: the third agent waits for Spark; the start timeout ends the wait, and the
+    # agents that ran end (and the waiting task with them) once the driver says the job is over.
+    with pytest.raises(TimeoutError, match=r"only [0-2] of 3 Spark tasks started and registered within start_timeout=5 s"):
+        hora.spark.run_elastic(lambda: 1, num_proc=3, start_timeout=5, verbose=0)
+    assert time.monotonic() - begin < 5 + 30
+    assert spark.sparkContext.parallelize(range(4), 2).map(lambda x: x * x).sum() == 14
+
+
+@pytest.mark.timeout(30)
+def test_run_elastic_checks_its_arguments_before_anything_starts(spark, monkeypatch):
+    with pytest.raises(ValueError, match="expected min_num_proc <= num_proc <= max_num_proc"):
+        hora.spark.run_elastic(lambda: 1, num_proc=2, min_num_proc=3)
+    with pytest.raises(ValueError, match="max_num_proc=0 is not valid"):
+        hora.spark.run_elastic(lambda: 1, num_proc=1, max_num_proc=0)
+    with pytest.raises(ValueError, match="reset_limit=-1 is not valid"):
+        hora.spark.run_elastic(lambda: 1, num_proc=1, reset_limit=-1)
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="HOROVOD_ELASTIC_TIMEOUT='soon' is not valid"):
+        hora.spark.run_elastic(lambda: 1, num_proc=1)
+    assert spark_elastic._counts(None, None, None, 3) == spark_elastic.Counts(3, 3, 3)
+    assert spark_elastic._counts(2, 1, 4, 3) == spark_elastic.Counts(2, 1, 4)
 
 
 @pytest.mark.timeout(10)

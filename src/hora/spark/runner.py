@@ -185,19 +185,6 @@ def run(
     return _finish(name, count, stage, watch, records, wait, timeout)
 
 
-def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
-    """Horovod's ``horovod.spark.run_elastic``: not available in hora yet.
-
-    Raises:
-        NotImplementedError: always; the message says what to use instead.
-    """
-    raise NotImplementedError(
-        "hora.spark.run_elastic is not available yet: hora's elastic driver starts its workers itself "
-        "(locally or over ssh) and cannot host them in Spark tasks. Use hora.spark.run for a fixed number "
-        "of ranks, or horarun's elastic mode (horarun --min-np/--max-np --host-discovery-script) outside Spark"
-    )
-
-
 class _Stage:
     """The barrier stage, collected in a thread of its own so that the driver can watch and cancel it."""
 

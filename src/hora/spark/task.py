@@ -243,7 +243,7 @@ def run_task(spec: TaskSpec) -> TaskOutcome:
 
 def _run_rank(spec: TaskSpec, slot: SlotInfo, index: int) -> TaskOutcome:
     """Starts the rank as a child process, forwards its output and waits for it."""
-    _sweep_stale_directories()
+    sweep_stale_directories()
     directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)
     output: OutputClient | None = None
     lifeline: Lifeline | None = None
@@ -285,7 +285,7 @@ def _run_rank(spec: TaskSpec, slot: SlotInfo, index: int) -> TaskOutcome:
             with open(result_path, "rb") as handle:
                 result = handle.read()
             return TaskOutcome(ExitRecord(slot.rank, index, slot.hostname, 0, None, exit_time), result)
-        error = _error_text(directory, slot.rank, returncode, worker)
+        error = error_text(directory, slot.rank, returncode, worker)
         return TaskOutcome(ExitRecord(slot.rank, index, slot.hostname, returncode or 1, error, exit_time), None)
     finally:
         if lifeline is not None:
@@ -295,7 +295,7 @@ def _run_rank(spec: TaskSpec, slot: SlotInfo, index: int) -> TaskOutcome:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _sweep_stale_directories() -> None:
+def sweep_stale_directories() -> None:
     """Removes the directories of tasks whose Python worker died before cleaning up.
 
     Spark kills the Python worker of a cancelled task, so its ``finally`` never runs;
@@ -321,8 +321,18 @@ def _sweep_stale_directories() -> None:
             pass  # alive, as another user
 
 
-def _error_text(directory: str, rank: int, returncode: int, worker: Worker) -> str:
-    """Says why a rank failed: its function's traceback, else the last it wrote to stderr."""
+def error_text(directory: str, rank: int, returncode: int, worker: Worker) -> str:
+    """Says why a rank failed: its function's traceback, else the last it wrote to stderr.
+
+    Args:
+        directory: the rank's directory (where ``hora.runner.task`` writes its traceback).
+        rank: the rank it was started as (names its files).
+        returncode: its exit status.
+        worker: the exited rank (the tail of its stderr).
+
+    Returns:
+        The text, at most ``MAX_ERROR`` characters (the middle left out).
+    """
     path = rank_task.error_path(directory, rank)
     if os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as handle:
