@@ -167,7 +167,7 @@ class Run:
     # return_to_full less the new worker's own start-up (its start to its model built: Python, torch, the script)
     return_less_startup: float | None = None
     step_time_full: float | None = None  # median time between logged steps at full size, before the kill
-    steps_rolled_back: int | None = None  # last step logged before the kill minus the step recovered at
+    steps_rolled_back: int | None = None  # last step finished at full size minus the step recovered at
     killed_host: str | None = None
     phases: dict[str, float] = field(default_factory=dict)  # events.log milestones, seconds after the kill/return
     exit_code: int | None = None
@@ -375,7 +375,10 @@ def run_job(framework: str, args: argparse.Namespace, hosts: list[str]) -> Run:
             first = _wait_for(recovered, remaining(120), "the first step after the kill", launcher)
             result.phases = _phases(_events(run_dir / "events.log"), t_kill, None, d)
             result.death_to_step = first[0] - t_kill
-            result.steps_rolled_back = before[-1][1] - (first[1] - 1)
+            # The last step finished at size 3 (one may still finish after the kill: the victim
+            # had already sent its share) against the step the survivors resumed from.
+            last_full = [s for s in _steps(steps_log) if s[2] == 3 and s[0] < first[0]]
+            result.steps_rolled_back = last_full[-1][1] - (first[1] - 1)
             # 3. after a while at size 2, a fresh host D appears
             _wait_for(lambda: time.time() - first[0] >= args.settle, remaining(120), "steps at size 2", launcher)
             t_return = time.time()
