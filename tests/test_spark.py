@@ -27,6 +27,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 import hora.spark  # noqa: E402
 from hora.spark import elastic as spark_elastic  # noqa: E402
 from hora.spark import runner as spark_runner  # noqa: E402
+from hora.spark import stage as spark_stage  # noqa: E402
 from hora.spark.task import place  # noqa: E402
 
 pytestmark = [
@@ -170,7 +171,7 @@ def test_more_ranks_than_task_slots_fails_within_the_start_timeout(spark):
     # Spark holds a barrier stage until it has a slot for every task; the start timeout ends the wait.
     with pytest.raises(TimeoutError, match=r"only 0 of 3 Spark tasks started within start_timeout=5 s"):
         hora.spark.run(lambda: 1, num_proc=3, start_timeout=5, verbose=0)
-    assert time.monotonic() - begin < 5 + spark_runner.CANCEL_TIMEOUT
+    assert time.monotonic() - begin < 5 + spark_stage.CANCEL_TIMEOUT
 
 
 @pytest.mark.timeout(120)
@@ -354,11 +355,14 @@ def test_run_elastic_checks_its_arguments_before_anything_starts(spark, monkeypa
 
 @pytest.mark.timeout(10)
 def test_start_timeout_and_num_proc_defaults():
-    assert spark_runner._start_timeout(None, {}) == 600.0
-    assert spark_runner._start_timeout(None, {"HOROVOD_SPARK_START_TIMEOUT": "42"}) == 42.0
+    resolve = spark_stage.resolve_start_timeout
+    assert resolve(None, {}, "run") == 600.0
+    assert resolve(None, {"HOROVOD_SPARK_START_TIMEOUT": "42"}, "run") == 42.0
     both = {"HORA_SPARK_START_TIMEOUT": "7", "HOROVOD_SPARK_START_TIMEOUT": "42"}
-    assert spark_runner._start_timeout(None, both) == 7.0
-    assert spark_runner._start_timeout(5, {"HORA_SPARK_START_TIMEOUT": "7"}) == 5.0
+    assert resolve(None, both, "run") == 7.0
+    assert resolve(5, {"HORA_SPARK_START_TIMEOUT": "7"}, "run") == 5.0
+    with pytest.raises(ValueError, match="run: start_timeout=0 is not valid"):
+        resolve(0, {}, "run")
     assert spark_runner._num_proc(None, 3) == 3
 
 

@@ -16,13 +16,10 @@ from typing import Any
 import ray
 
 from hora.ray.placement import place
+from hora.runner.run_func import callable_name
 from hora.ray.ray_logger import Relay
 from hora.ray.settings import RaySettings, create_settings
 from hora.ray.static import StaticJob
-
-
-def _name(func: Callable[..., Any]) -> str:
-    return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
 
 
 class _Call:
@@ -224,7 +221,7 @@ class RayExecutor:
             TimeoutError: ``timeout`` passed.
             RuntimeError: the executor is not started, or an elastic job failed.
         """
-        return self._call(_Call(fn, args or (), kwargs or {}), _name(fn), callbacks, timeout)
+        return self._call(_Call(fn, args or (), kwargs or {}), callable_name(fn), callbacks, timeout)
 
     def execute(
         self,
@@ -244,7 +241,7 @@ class RayExecutor:
             WorkerError: a rank raised.
             TimeoutError: ``timeout`` passed.
         """
-        return self._call(fn, _name(fn), callbacks, timeout, "execute")
+        return self._call(fn, callable_name(fn), callbacks, timeout, "execute")
 
     def _call(
         self,

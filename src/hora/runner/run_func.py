@@ -98,12 +98,13 @@ def run(
         slots = prepare(settings)
         job = Job(settings, slots, Sink(sys.stdout), Sink(sys.stderr), os.environ)
         result = job.run(timeout=timeout)
-        return _collect(result, directory, _name(func), timeout)
+        return _collect(result, directory, callable_name(func), timeout)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _name(func: Callable[..., Any]) -> str:
+def callable_name(func: Callable[..., Any]) -> str:
+    """A function's name for messages: its qualified name, else its name, else its repr."""
     return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
 
 

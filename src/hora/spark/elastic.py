@@ -38,12 +38,11 @@ and ``host_assignments``/``pending_slots``/``world_of`` (surviving hosts first).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
-import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
@@ -55,8 +54,8 @@ from hora.runner.elastic.discovery import DiscoveredHosts, HostManager
 from hora.runner.elastic.settings import RESET_LIMIT_EXCEEDED_MESSAGE
 from hora.runner.hosts import SlotInfo
 from hora.runner.output import Sink
+from hora.runner.run_func import callable_name
 from hora.runner.workers import describe_status
-from hora.spark import runner
 from hora.spark.agent import (
     AGENT_TIMEOUT_S,
     DONE_KEY,
@@ -72,6 +71,7 @@ from hora.spark.agent import (
     result_key,
 )
 from hora.spark.output import OutputServer
+from hora.spark.stage import CANCEL_TIMEOUT, Stage, addresses, is_consequence, resolve_start_timeout, short
 from hora.transport import auth, worlds
 from hora.transport.rendezvous_server import RendezvousServer
 
@@ -84,7 +84,6 @@ END_TIMEOUT = 30.0
 stage is cancelled (a task Spark had not scheduled yet ends as soon as it starts)."""
 _POLL = 0.05  # seconds between two looks at the ranks' reports
 _SLOTS_POLL = 0.2  # seconds between two looks at the agents while waiting for slots
-_CONSEQUENCES = ("HoraInternalError", "HorovodInternalError")
 
 
 def run_elastic(
@@ -176,7 +175,7 @@ def run_elastic(
         warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
         max_num_proc = max_np
     counts = _counts(num_proc, min_num_proc, max_num_proc, context.defaultParallelism)
-    wait = runner._start_timeout(start_timeout, os.environ)
+    wait = resolve_start_timeout(start_timeout, os.environ, "hora.spark.run_elastic")
     patience = _elastic_timeout(elastic_timeout, os.environ)
     if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int)
                                     or reset_limit < 0):  # fmt: skip
@@ -184,12 +183,12 @@ def run_elastic(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"hora.spark.run_elastic: timeout={timeout!r} is not valid: expected a number of seconds > 0")
     interfaces = None if nics is None else nics if isinstance(nics, str) else ",".join(nics)
-    name = runner._name(fn)
+    name = callable_name(fn)
     if verbose >= 1:
         log.info("hora.spark.run_elastic: running %s on %d ranks (min %d, max %d), %d Spark tasks",
                  name, counts.num_proc, counts.min_np, counts.max_np, counts.max_np)  # fmt: skip
 
-    bind, advertise = runner._addresses(context)
+    bind, advertise = addresses(context)
     secret = auth.new_secret()
     server = RendezvousServer(secret, host=bind).start()
     output: OutputServer | None = None
@@ -208,7 +207,7 @@ def run_elastic(
             prefix_timestamp=prefix_output_with_timestamp,
             network_interfaces=interfaces,
         )
-        stage = _AgentStage(context, spec, counts.max_np)
+        stage = Stage(context, "hora.spark.run_elastic", counts.max_np, functools.partial(agent_main, spec), barrier=False)
         job = _ElasticJob(server, stage, counts, wait, patience, reset_limit, name, verbose)
         stage.start()
         try:
@@ -218,7 +217,7 @@ def run_elastic(
             server.put(DONE_KEY, b"1")
             if not stage.join(END_TIMEOUT):
                 stage.cancel()
-                stage.join(runner.CANCEL_TIMEOUT)
+                stage.join(CANCEL_TIMEOUT)
     finally:
         server.stop()
         if output is not None:
@@ -283,49 +282,6 @@ def _elastic_timeout(elastic_timeout: float | None, environ: Mapping[str, str]) 
     return value
 
 
-class _AgentStage:
-    """The agents' stage, collected in a thread of its own so that the driver can watch and cancel it."""
-
-    def __init__(self, context: Any, spec: AgentSpec, count: int) -> None:
-        self._context = context
-        self._spec = spec
-        self._count = count
-        self.group = f"hora.spark.run_elastic.{uuid.uuid4().hex}"
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        from pyspark import InheritableThread
-
-        # InheritableThread: the job inherits the caller's local properties (scheduler
-        # pool, ...) and its JVM thread is cleaned up with it.
-        self._thread = InheritableThread(target=self._collect, name="hora-spark-agents", daemon=True)
-        self._thread.start()
-
-    def _collect(self) -> None:
-        spec, count = self._spec, self._count
-        try:
-            self._context.setJobGroup(self.group, f"hora.spark.run_elastic: {count} agents", interruptOnCancel=True)
-            rdd = self._context.parallelize(range(count), count)
-            rdd.mapPartitions(lambda iterator: agent_main(spec, iterator)).collect()
-        except BaseException as exc:  # reported by the driver's loop
-            self.error = exc
-
-    def ended(self) -> bool:
-        """Whether the stage ended (every task returned or Spark gave up on it)."""
-        return self._thread is not None and not self._thread.is_alive()
-
-    def join(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds; True when the stage ended."""
-        assert self._thread is not None
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def cancel(self) -> None:
-        """Cancels the stage: Spark kills its tasks' Python workers (and so their ranks)."""
-        self._context.cancelJobGroup(self.group)
-
-
 @dataclasses.dataclass
 class _Agent:
     """An agent (a Spark task's attempt) as the driver sees it."""
@@ -375,7 +331,7 @@ class _ElasticJob:
     def __init__(
         self,
         server: RendezvousServer,
-        stage: _AgentStage,
+        stage: Stage,
         counts: Counts,
         start_timeout: float,
         elastic_timeout: float,
@@ -499,7 +455,7 @@ class _ElasticJob:
                 return current
             if self._stage.ended():
                 error = self._stage.error
-                why = f":\n{runner._short(error)}" if error is not None else " (every agent returned)"
+                why = f":\n{short(error)}" if error is not None else " (every agent returned)"
                 raise RuntimeError(
                     f"hora.spark.run_elastic: the Spark stage of the agents ended while {needed} were needed and "
                     f"{available} available{why}"
@@ -651,12 +607,7 @@ class _ElasticJob:
     def _failure_report(self, world: list[_Member], failures: list[_Member]) -> str:
         """Names the root cause first, with its error, then how every other rank of the world ended."""
 
-        def consequence(member: _Member) -> bool:
-            assert member.outcome is not None
-            last = [line for line in (member.outcome.error or "").splitlines() if line.strip()][-3:]
-            return any(word in line for line in last for word in _CONSEQUENCES)
-
-        causes = [m for m in failures if not consequence(m)] or failures
+        causes = [m for m in failures if not (m.outcome is not None and is_consequence(m.outcome.error))] or failures
         first = min(causes, key=lambda m: (m.outcome.exit_time if m.outcome else 0.0, self._rank_of(m)))
         assert first.outcome is not None
         record = first.agent.record

@@ -28,33 +28,28 @@ another rank failed), with its traceback; the ``SparkContext`` stays usable.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import os
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
-from hora.config import knobs
 from hora.runner.output import Sink
+from hora.runner.run_func import callable_name
 from hora.spark.output import OutputServer
+from hora.spark.stage import CANCEL_TIMEOUT, Stage, addresses, is_consequence, resolve_start_timeout, short
 from hora.spark.task import ExitRecord, TaskOutcome, TaskSpec, exit_key, started_key, task_main
 from hora.transport import auth
 from hora.transport.rendezvous_server import RendezvousServer
 
 log = logging.getLogger(__name__)
 
-# Declared in hora.config.knobs (default 600 s, Horovod's alias HOROVOD_SPARK_START_TIMEOUT).
-START_TIMEOUT_VARIABLE = "HORA_SPARK_START_TIMEOUT"
 # After the first failure, seconds the other ranks get to end by themselves before the
 # stage is cancelled: their own errors (naming the lost rank) then reach the user.
 SETTLE_PERIOD = 10.0
-CANCEL_TIMEOUT = 60.0  # seconds to wait for Spark to end a cancelled stage
 _POLL = 0.1  # seconds between looks at the rendezvous store
-_CONSEQUENCES = ("HoraInternalError", "HorovodInternalError")
 
 
 def run(
@@ -138,16 +133,16 @@ def run(
         raise ValueError("hora.spark.run: extra_mpi_args is not supported: hora.spark starts no mpirun")
     del use_gloo  # hora's TCP transport is the only one, whatever was asked
     count = _num_proc(num_proc, context.defaultParallelism)
-    wait = _start_timeout(start_timeout, os.environ)
+    wait = resolve_start_timeout(start_timeout, os.environ, "hora.spark.run")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"hora.spark.run: timeout={timeout!r} is not valid: expected a number of seconds > 0")
     interfaces = None if nics is None else nics if isinstance(nics, str) else ",".join(nics)
-    name = _name(fn)
+    name = callable_name(fn)
     if verbose >= 1:
         how = "" if num_proc is not None else " (spark.default.parallelism)"
         log.info("hora.spark.run: running %s on %d ranks%s", name, count, how)
 
-    bind, advertise = _addresses(context)
+    bind, advertise = addresses(context)
     secret = auth.new_secret()
     server = RendezvousServer(secret, host=bind).start()
     output: OutputServer | None = None
@@ -166,7 +161,7 @@ def run(
             prefix_timestamp=prefix_output_with_timestamp,
             network_interfaces=interfaces,
         )
-        stage = _Stage(context, spec)
+        stage = Stage(context, "hora.spark.run", spec.num_proc, functools.partial(task_main, spec), barrier=True)
         stage.start()
         try:
             watch = _watch(stage, server, count, wait, timeout)
@@ -185,45 +180,6 @@ def run(
     return _finish(name, count, stage, watch, records, wait, timeout)
 
 
-class _Stage:
-    """The barrier stage, collected in a thread of its own so that the driver can watch and cancel it."""
-
-    def __init__(self, context: Any, spec: TaskSpec) -> None:
-        self._context = context
-        self._spec = spec
-        self.group = f"hora.spark.run.{uuid.uuid4().hex}"
-        self.outcomes: list[TaskOutcome] | None = None
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        from pyspark import InheritableThread
-
-        # InheritableThread: the job inherits the caller's local properties (scheduler
-        # pool, ...) and its JVM thread is cleaned up with it.
-        self._thread = InheritableThread(target=self._collect, name="hora-spark-stage", daemon=True)
-        self._thread.start()
-
-    def _collect(self) -> None:
-        spec = self._spec
-        try:
-            self._context.setJobGroup(self.group, f"hora.spark.run on {spec.num_proc} ranks", interruptOnCancel=True)
-            rdd = self._context.parallelize(range(spec.num_proc), spec.num_proc)
-            self.outcomes = rdd.barrier().mapPartitions(lambda iterator: task_main(spec, iterator)).collect()
-        except BaseException as exc:  # reported by run() in the caller's thread
-            self.error = exc
-
-    def join(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds; True when the stage ended."""
-        assert self._thread is not None
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def cancel(self) -> None:
-        """Cancels the stage: Spark kills its tasks' Python workers (and so their ranks)."""
-        self._context.cancelJobGroup(self.group)
-
-
 class _Watch:
     """Why the driver stopped watching: nothing, or which bound it cancelled the stage for."""
 
@@ -235,7 +191,7 @@ class _Watch:
         self.stuck = False  # the cancelled stage did not end within CANCEL_TIMEOUT
 
 
-def _watch(stage: _Stage, server: RendezvousServer, count: int, start_timeout: float, timeout: float | None) -> _Watch:
+def _watch(stage: Stage, server: RendezvousServer, count: int, start_timeout: float, timeout: float | None) -> _Watch:
     """Waits for the stage to end, cancelling it when a bound passes (see the module docstring)."""
     watch = _Watch()
     begin = time.monotonic()
@@ -277,7 +233,7 @@ def _records(server: RendezvousServer, count: int) -> dict[int, ExitRecord]:
 def _finish(
     name: str,
     count: int,
-    stage: _Stage,
+    stage: Stage,
     watch: _Watch,
     records: Mapping[int, ExitRecord],
     start_timeout: float,
@@ -306,7 +262,7 @@ def _finish(
     if stage.error is not None:
         raise RuntimeError(
             f"hora.spark.run: the Spark stage running {name} on {count} ranks failed before every rank "
-            f"finished:\n{_short(stage.error)}"
+            f"finished:\n{short(stage.error)}"
         ) from stage.error
     outcomes = sorted(stage.outcomes or [], key=lambda outcome: outcome.record.rank)
     if len(outcomes) != count:
@@ -318,7 +274,7 @@ def _failure_report(
     name: str, count: int, failures: list[ExitRecord], records: Mapping[int, ExitRecord], watch: _Watch
 ) -> str:
     """Names the root cause first, with its error, then how every other rank ended."""
-    causes = [record for record in failures if not _is_consequence(record)] or failures
+    causes = [record for record in failures if not is_consequence(record.error)] or failures
     first = min(causes, key=lambda record: (record.exit_time, record.rank))
     lines = [
         f"hora.spark.run: {name} failed on {count} ranks: rank {first.rank} (Spark task {first.index} on host "
@@ -347,63 +303,8 @@ def _status(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _is_consequence(record: ExitRecord) -> bool:
-    """True when the rank's error is hora's error for a failure elsewhere in the job."""
-    last = [line for line in (record.error or "").splitlines() if line.strip()][-3:]
-    return any(name in line for line in last for name in _CONSEQUENCES)
-
-
-def _short(error: BaseException, lines: int = 40) -> str:
-    """The first lines of an error: a Py4JJavaError carries the whole Java stack."""
-    text = str(error).splitlines()
-    kept = list(itertools.islice((line for line in text if not line.lstrip().startswith("at ")), lines))
-    return "\n".join(kept) + ("\n..." if len(text) > len(kept) else "")
-
-
 def _num_proc(num_proc: int | None, default: int) -> int:
     count = default if num_proc is None else num_proc
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"hora.spark.run: num_proc={count!r} is not valid: expected an integer >= 1")
     return count
-
-
-def _start_timeout(start_timeout: float | None, environ: Mapping[str, str]) -> float:
-    """The start timeout: the argument, else ``HORA_SPARK_START_TIMEOUT`` (or Horovod's
-    ``HOROVOD_SPARK_START_TIMEOUT``) from the environment, else 600 s.
-
-    Raises:
-        ValueError: the value is not a positive number (naming where it came from).
-    """
-    if start_timeout is not None:
-        if isinstance(start_timeout, bool) or not (0 < start_timeout < float("inf")):
-            raise ValueError(
-                f"hora.spark.run: start_timeout={start_timeout!r} is not valid: expected a number of seconds > 0"
-            )
-        return float(start_timeout)
-    try:
-        value = float(knobs.read(START_TIMEOUT_VARIABLE, environ))
-    except ValueError as exc:
-        raise ValueError(f"hora.spark.run: {exc}") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"hora.spark.run: start timeout {value!r} is not valid: expected a number of seconds > 0")
-    return value
-
-
-def _addresses(context: Any) -> tuple[str, str]:
-    """Where the driver's servers listen, and the address tasks reach them at.
-
-    In local modes (``local``, ``local[N]``, ``local-cluster[...]``) every executor runs
-    on this machine: loopback only. Otherwise the servers listen on every interface
-    (each connection must pass the job secret's HMAC challenge before anything it sends
-    is read) and tasks reach them at ``spark.driver.host``, the address executors
-    already use to reach the driver.
-    """
-    master = str(context.master or "")
-    if master.startswith("local"):
-        return "127.0.0.1", "127.0.0.1"
-    host = context.getConf().get("spark.driver.host")
-    return "0.0.0.0", str(host or "127.0.0.1")
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))
