@@ -195,3 +195,29 @@ def _host_env(rank: int, hosts: list[str] | None) -> dict[str, str]:
         "HORA_CROSS_RANK": str(cross.index(me)),
         "HORA_CROSS_SIZE": str(len(cross)),
     }
+
+
+def horarun(*args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``horarun ARGS`` from the project's root with this interpreter and ``src`` on the path."""
+    return subprocess.run(
+        [sys.executable, "-m", "hora.runner", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", **(env or {})),
+    )
+
+
+def check_digits_example(script: str, epochs: int = 20, timeout: float = 230) -> None:
+    """Runs a digits example at 2 ranks: it must exit 0, report a final test accuracy of at
+    least 95% on 2 ranks, and print progress for every epoch from rank 0 only."""
+    import re
+
+    proc = horarun("-np", "2", sys.executable, script, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    final = re.search(r"\[0\]<stdout>:final test accuracy ([0-9.]+) on (\d) ranks", proc.stdout)
+    assert final, proc.stdout
+    assert float(final.group(1)) >= 0.95 and int(final.group(2)) == 2
+    assert re.findall(r"\[0\]<stdout>:epoch +(\d+) +loss", proc.stdout) == [str(e) for e in range(1, epochs + 1)]
+    assert not any(line.startswith("[1]<stdout>") for line in proc.stdout.splitlines())

@@ -8,12 +8,6 @@ these run in MXNet's environment (.venv-mxnet).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import mxnet_support  # noqa: F401  (first: imports hora.mxnet, then mxnet may be imported)
@@ -22,11 +16,9 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mxnet import gluon  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from harness import check_digits_example, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.ranks
-
-ROOT = Path(__file__).resolve().parents[1]
 PER_RANK = 4  # examples per rank and step
 STEPS = 3
 HYPER = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}
@@ -190,16 +182,4 @@ def test_broadcast_parameters_of_a_gluon_net(size: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_gluon_digits_example_reaches_95_percent_on_two_ranks() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hora.runner", "-np", "2", sys.executable, "examples/mxnet/gluon_digits.py"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    final = re.search(r"\[0\]<stdout>:final test accuracy ([0-9.]+) on (\d) ranks", proc.stdout)
-    assert final, proc.stdout
-    assert float(final.group(1)) >= 0.95 and int(final.group(2)) == 2
-    assert re.findall(r"\[0\]<stdout>:epoch +(\d+) +loss", proc.stdout) == [str(e) for e in range(1, 21)]
+    check_digits_example("examples/mxnet/gluon_digits.py", timeout=280)
