@@ -29,6 +29,8 @@ from hora.config.knobs import DEFAULT_FUSION_THRESHOLD
 __all__ = ["DEFAULT_FUSION_THRESHOLD", "LAUNCHERS", "Config", "Extras", "Topology", "mpi4py_available",
            "ssh_options"]  # fmt: skip
 
+# The knobs autotune tunes unless they are set (Config.autotune_fixed).
+AUTOTUNED = ("HORA_FUSION_THRESHOLD", "HORA_CYCLE_TIME")
 # Where a job's topology came from (Config.launcher).
 LAUNCHERS = ("none", "horarun", "openmpi", "mpich", "slurm", "torchrun")
 
@@ -58,12 +60,6 @@ class Extras:
     ``init()`` can say that they have no effect instead of ignoring them silently.
     """
 
-    autotune: bool = False
-    autotune_log: str | None = None
-    autotune_warmup_samples: int = 3
-    autotune_steps_per_sample: int = 10
-    autotune_bayes_opt_max_samples: int = 20
-    autotune_gaussian_process_noise: float = 0.8
     torus_allreduce: bool = False
     num_nccl_streams: int = 1
     mpi_threads_disable: bool = False
@@ -122,6 +118,14 @@ class Config:
     transport: str = "builtin"
     shared_memory: bool = True
     shm_staging_bytes: int | None = None  # None: chosen by the machine's ranks and cores
+    autotune: bool = False
+    autotune_log: str | None = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
+    # The knobs autotune may tune that the environment set: those stay as set.
+    autotune_fixed: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -176,6 +180,9 @@ class Config:
             rendezvous_port=rendezvous_port,
             secret=secret,
             extras=Extras(**extras),
+            autotune_fixed=tuple(
+                name for name in AUTOTUNED if knobs.BY_NAME[name].lookup(variables) is not None
+            ),
             **fields,
         )
         config.check_launch()

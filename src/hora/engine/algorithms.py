@@ -13,10 +13,21 @@ from typing import Protocol
 
 import numpy as np
 
-from hora.collectives import adasum, pipeline, pointwise, ring, shm_ops
+from hora.collectives import adasum, doubling, pipeline, pointwise, ring, shm_ops
 from hora.collectives.channel import Channel
 from hora.collectives.reduce import Reducer
 from hora.collectives.ring import Bounds
+
+# Allreduces up to this size take recursive doubling over TCP: ceil(log2 n) exchanges of
+# the whole buffer beat the ring's 2(n-1) exchanges of 1/n of it while the per-step
+# latency outweighs the bytes. Where the two meet depends on n, the link and hora's
+# per-step cost; docs/scaling.md fits the model: on 1 Gbit/s links at n = 8 they cross
+# near 64 KiB, on unshaped links much later.
+DOUBLING_MAX_BYTES = 64 * 1024
+# Broadcasts from this size (with more than two ranks) scatter, then allgather around the
+# ring: every link carries ~2(n-1)/n of the buffer, instead of the root's link n - 1
+# copies, for n more steps of latency.
+SCATTER_BROADCAST_MIN_BYTES = 256 * 1024
 
 
 class Collectives(Protocol):
@@ -83,8 +94,10 @@ class StreamingChannel(Channel, Protocol):
 class TcpCollectives:
     """Ring and point-to-point algorithms over a channel of TCP links.
 
-    Allreduces larger than one pipeline chunk use the pipelined ring; smaller ones the
-    plain ring, which has less bookkeeping per byte.
+    Allreduces larger than one pipeline chunk per rank use the pipelined ring; small
+    ones (``DOUBLING_MAX_BYTES``) recursive doubling, which takes fewer steps; those in
+    between the plain ring, which has less bookkeeping per byte. Large broadcasts to
+    more than two ranks scatter and allgather (``SCATTER_BROADCAST_MIN_BYTES``).
 
     Args:
         channel: the set's channel.
@@ -121,6 +134,8 @@ class TcpCollectives:
     ) -> None:
         if self.size > 1 and buffer.nbytes > pipeline.CHUNK_BYTES * self.size:  # a set of one has no ring links
             pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
+        elif buffer.nbytes <= DOUBLING_MAX_BYTES:
+            doubling.allreduce(self._channel, buffer, reduce, self._scratch_for(buffer.size, buffer.dtype))
         else:
             # The ring receives at most one segment (a 1/size share, rounded up) at a time.
             scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
@@ -146,7 +161,10 @@ class TcpCollectives:
         ring.allgather(self._channel, buffer, bounds)
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        pointwise.broadcast(self._channel, buffer, root)
+        if self.size > 2 and buffer.nbytes >= SCATTER_BROADCAST_MIN_BYTES:
+            pointwise.scatter_allgather_broadcast(self._channel, buffer, root)
+        else:
+            pointwise.broadcast(self._channel, buffer, root)
 
     def alltoall(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]) -> None:
         pointwise.alltoall(self._channel, send, send_counts, recv, recv_counts)

@@ -23,6 +23,9 @@ field                                  owner
 ``published``                          written under the lock (one attribute store), read
                                        by the engine thread while it sleeps without it
 ``timeline_request``                   written by a user thread, taken under the lock
+``cycle_time_ms``, ``applied``,        written under the lock (autotune's changes); read
+``tuner``                              by submitting threads and ``stats`` without it
+                                       (one attribute, or a copy of the list)
 =====================================  ==================================================
 
 Everything a sleeper needs comes from ``plan()`` (under the lock) or ``published`` (the
@@ -39,6 +42,7 @@ from typing import NamedTuple
 
 from hora.config import Config
 from hora.engine import messages
+from hora.engine.autotune import STEP_KINDS, Params, Tuner, bytes_allreduced
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.fast_lane import FastLane, Proposal
@@ -112,7 +116,8 @@ class ControlPlane:
     ) -> None:
         self.rank = config.topology.rank
         self.size = config.topology.size
-        self._cycle_time_ms = config.cycle_time_ms
+        # Changed by autotune, at the same point of the response sequence on every rank.
+        self.cycle_time_ms = config.cycle_time_ms
         self.hostname = hostname
         self.queue = queue
         self.executor = executor
@@ -124,6 +129,10 @@ class ControlPlane:
             Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
         )
         self.stall = StallInspector(config) if self.coordinator is not None else None
+        # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
+        self.tuner = Tuner(config) if config.autotune and self.coordinator is not None else None
+        self.applied: list[Params] = []  # the parameter changes this rank applied, in order
+        executor.on_params = self.apply_params
         self.responses: deque[Response] = deque()
         self.farewells: set[int] = set()  # peers that sent SHUTDOWN: their hang-up is expected
         self.timeline: Timeline | None = None
@@ -157,8 +166,8 @@ class ControlPlane:
         worked = self.settle_lane() is not None
         new = self.queue.drain()
         worked = worked or bool(new or self.responses)
-        if new and self._cycle_time_ms > 0:
-            time.sleep(self._cycle_time_ms / 1000.0)  # let more tensors join this batch
+        if new and self.cycle_time_ms > 0:
+            time.sleep(self.cycle_time_ms / 1000.0)  # let more tensors join this batch
             new += self.queue.drain()
         if new:
             self.announce(new)
@@ -167,8 +176,12 @@ class ControlPlane:
             self.distribute(self.coordinator.take())
         if self.timeline is not None and (new or self.responses):
             self.timeline.cycle()
+        tuner = self.tuner
         while self.responses:
-            self.executor.run(self.responses.popleft())
+            response = self.responses.popleft()
+            self.executor.run(response)
+            if tuner is not None and tuner.active and response.type in STEP_KINDS:
+                self.measure(response.names, bytes_allreduced(response))
         if self.stall is not None and self.coordinator is not None:
             self.stall.check(self.coordinator)
         if self.lane is not None:
@@ -260,6 +273,9 @@ class ControlPlane:
             self.coordinator.note_stuck(link.peer, messages.decode_count(payload))
         elif self.coordinator is None and kind == messages.RESPONSES:
             responses = messages.decode_responses(payload)
+            for response in responses:
+                if response.type == messages.ResponseType.PARAMS:
+                    Params.from_response(response)  # a malformed change fails here, as a protocol error
             self.received += len(responses)
             self.responses.extend(responses)
         else:
@@ -362,6 +378,8 @@ class ControlPlane:
         if self.queue.pop(entry.request.process_set_id, entry.request.name) is not None:
             assert entry.output is not None  # invariant: FastLane.carries
             entry.handle.complete(entry.output.reshape(entry.shape))
+            if self.tuner is not None and self.tuner.active:
+                self.measure([entry.request.name], entry.output.nbytes)
         return True
 
     def settled_on_lane(self, handle: Handle, interrupted: Callable[[], bool], spin_seconds: float) -> bool:
@@ -389,6 +407,28 @@ class ControlPlane:
         lane = self.lane
         on_lane = 1 if lane is not None and lane.pending is not None else 0
         return len(self.queue) > on_lane + announcing or self.timeline is not None
+
+    # ----- autotune -----
+
+    def measure(self, names: list[str], nbytes: int) -> None:
+        """Rank 0: counts a finished collective for the tuner, and sends every rank the
+        change that ends a sample, if any, in the global response sequence."""
+        assert self.tuner is not None and self.coordinator is not None  # invariant: rank 0 tunes
+        change = self.tuner.observe(names, nbytes)
+        if change is not None:
+            self.coordinator.set_fusion_threshold(change.fusion_threshold)
+            self.coordinator.emit_to_all(change.response())
+            self.distribute(self.coordinator.take())
+
+    def apply_params(self, response: Response) -> None:
+        """Applies a ``PARAMS`` response where the executor reaches it in the sequence.
+
+        Raises:
+            ProtocolError: it is malformed (checked on arrival already on workers).
+        """
+        params = Params.from_response(response)
+        self.cycle_time_ms = params.cycle_time_ms
+        self.applied.append(params)
 
     # ----- links -----
 

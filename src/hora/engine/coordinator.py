@@ -100,6 +100,21 @@ class Coordinator:
         self._examine_at: float | None = None  # when find_mismatches next has something to look at
         self.timeline: Timeline | None = None  # set while rank 0 records one
 
+    @property
+    def fusion_threshold(self) -> int:
+        """The largest fused allreduce in bytes (0: no fusion); the autotuner changes it."""
+        return self._fusion_threshold
+
+    def emit_to_all(self, response: Response) -> None:
+        """Appends a response for every rank still in the job (an autotune change) to the
+        global sequence, after everything ready so far."""
+        members = tuple(rank for rank in self.sets.ranks(GLOBAL) if rank not in self._departed)
+        self._emit(response, members)
+
+    def set_fusion_threshold(self, threshold: int) -> None:
+        """Fuses with ``threshold`` from the next ``take`` on (rank 0 alone fuses)."""
+        self._fusion_threshold = threshold
+
     def submit_cached(self, rank: int, cache_id: int) -> None:
         """Records that ``rank`` submitted, unchanged, the tensor cached under ``cache_id``.
 

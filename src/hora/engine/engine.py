@@ -103,6 +103,9 @@ class EngineStats:
             allreduce instead of being refused. Read under the engine's lock, taken only
             if free (a thread in a pass, or waiting for a handle, holds it: then False).
             On rank 0 the coordinator may still hold other ranks' requests.
+        autotuned: the autotune parameter changes this rank applied, in order, each as
+            (fusion threshold in bytes, cycle time in ms): the same on every rank once
+            each has executed as far (``hora.engine.autotune``).
         lane_pending: this rank has a fast-lane proposal awaiting the others' answers;
             it stays pending until a pass settles it (every rank answered, or one left)
             or the job fails. Read without the engine's lock (one attribute, racy like
@@ -116,6 +119,7 @@ class EngineStats:
     hierarchical_allgather: bool
     idle: bool
     lane_pending: bool
+    autotuned: tuple[tuple[int, float], ...] = ()
 
 
 class Engine:
@@ -212,6 +216,7 @@ class Engine:
             hierarchical_allgather=bool(getattr(collectives, "hierarchical_allgather", False)),
             idle=self._idle(),
             lane_pending=lane is not None and lane.pending is not None,
+            autotuned=tuple((p.fusion_threshold, p.cycle_time_ms) for p in list(self.control.applied)),
         )
 
     def _idle(self) -> bool:
@@ -288,7 +293,7 @@ class Engine:
         shielded = self._shield.enter()
         try:
             # With a cycle time set, the engine thread waits that long to batch tensors.
-            if self._config.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
+            if control.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
                 self._sleeper.wake_if_sleeping()
                 return
             self._shielded = shielded
@@ -577,6 +582,8 @@ class Engine:
     def _close(self) -> None:
         control = self.control
         control.use_timeline(None)
+        if control.tuner is not None:
+            control.tuner.close()
         control.timeline_applied.set()  # a start_timeline racing with the end does not wait forever
         error = internal_error(self.failure or f"hora has shut down on rank {self.rank}")
         self.queue.close(error)

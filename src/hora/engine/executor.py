@@ -57,6 +57,8 @@ class Executor:
         self._fusion = np.empty(0, dtype=np.uint8)
         self.running: list[Entry] = []  # the entries the response being executed took
         self.current: Response | None = None  # the response being executed, for messages
+        # Applies an autotune parameter change where the agreed sequence puts it (ControlPlane).
+        self.on_params: Callable[[Response], None] = lambda response: None
 
     def run(self, response: Response) -> None:
         """Executes one response and completes the handles of its tensors.
@@ -76,6 +78,9 @@ class Executor:
             return
         if kind == ResponseType.JOIN:
             self._complete(response, "join", response.root_rank)
+            return
+        if kind == ResponseType.PARAMS:
+            self.on_params(response)  # no tensor: every rank switches here (hora.engine.autotune)
             return
         if kind == ResponseType.ADD_PROCESS_SET:
             self.sets.add(response.root_rank, tuple(response.sizes))

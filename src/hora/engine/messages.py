@@ -65,6 +65,7 @@ class ResponseType(enum.IntEnum):
     ADD_PROCESS_SET = 20
     REMOVE_PROCESS_SET = 21
     ABORTED = 30  # cannot run: a member of its process set has shut down
+    PARAMS = 40  # every rank switches engine parameters here (hora.engine.autotune); names no tensor
 
 
 def tensor_label(op: str, name: str) -> str:

@@ -39,6 +39,7 @@ import torch.utils.data
 from hora.core.api import rank, size
 from hora.elastic import ObjectState, run
 from hora.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hora.torch.wrapper import WrappedOptimizer
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
@@ -184,6 +185,12 @@ class OptimizerStateHandler(StateHandler):
     ``broadcast_optimizer_state``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, WrappedOptimizer) and optimizer._shard_stage:
+            raise ValueError(
+                "TorchState cannot track a DistributedOptimizer with shard_optimizer_state: its state is split over "
+                "the ranks, so a commit would gather it all on every rank and a new world would need a new "
+                "partition; use an unsharded DistributedOptimizer in elastic jobs"
+            )
         super().__init__(optimizer)
         self._saved_optimizer_state = copy.deepcopy(optimizer.state_dict())
 

@@ -128,6 +128,8 @@ def broadcast_optimizer_state(
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if isinstance(optimizer, WrappedOptimizer) and optimizer._broadcast_state(root_rank, process_set):
+        return  # a sharded optimizer: its consolidated state, broadcast whole
     if len(optimizer.state_dict()["state"]) == 0:
         _initialize_state(optimizer, model)
     params = _numbered_params(optimizer)

@@ -194,9 +194,16 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = _check_passes(passes)
         self._reset_delays()
 
+    _shard_stage = 0
+    """The ZeRO stage of ``shard_optimizer_state`` (0: the whole state on every rank)."""
+
     # Subclass hooks.
     def _reset(self) -> None:
         pass
+
+    def _broadcast_state(self, root_rank: int, process_set: Any) -> bool:
+        """``broadcast_optimizer_state``'s own path for this wrapper; False: use the generic one."""
+        return False
 
     def _on_new_params(self, params: list[torch.Tensor]) -> None:
         pass
