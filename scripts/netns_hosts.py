@@ -4,6 +4,7 @@ Used by hora's multi-host tests (``tests/test_multihost*.py``, ``tests/test_doct
 and by hand::
 
     sudo python scripts/netns_hosts.py up 3        # prints the hosts and an ssh config, keeps running
+    sudo python scripts/netns_hosts.py up 4 --rate 1gbit   # the same, each host's link shaped to 1 Gbit/s
     horarun -H 198.18.10.10:2,198.18.10.11:2 ...   # with HORA_SSH_OPTIONS="-F <printed config>"
 
 Layout (``Cluster(count, subnets)``)::
@@ -24,8 +25,42 @@ log in a temporary directory, accepting only a client key generated for this run
 process left in the namespaces, deletes them, and removes the directory; it runs at
 exit too.
 
-Needs root, ``ip`` (iproute2), ``ssh``/``ssh-keygen``/``sshd`` (OpenSSH): see
-``scripts/setup-system.sh``.
+Shaped links (``Cluster(count, rate="1gbit")``, ``up N --rate 1gbit``): each host's
+link is rate-limited in both directions with a token-bucket filter (``tc qdisc ... tbf``;
+netem is not available on every machine this runs on): on the host's ``ethN`` (what the
+host sends) and on the switch's end of the same veth pair (what the host receives), so a
+host sends at most ``rate`` and receives at most ``rate`` at once, as on a full-duplex
+switch port. The bridges, the root namespace's links and loopback stay unshaped. Choice
+of the filter's parameters (``tbf_parameters``):
+
+* ``burst`` = what the link carries in 1 ms (125 KB at 1 Gbit/s, 1.25 MB at 10 Gbit/s),
+  at least 64 KiB. tbf refills its bucket from a timer, and a 2-core machine under load
+  fires it late: a bucket smaller than the rate times that delay caps the throughput below
+  the rate (at 10 Gbit/s a 64 KiB bucket is emptied in 52 us). 1 ms of burst is a 0.1%
+  excursion over a 1 s transfer, invisible in the collectives' times;
+* ``latency`` 50 ms: the queue may hold 50 ms of traffic (6.25 MB at 1 Gbit/s) before tbf
+  drops. The host side rarely queues much (TCP small queues holds each socket to about a
+  millisecond of its rate in the qdisc), but the switch side queues whatever the bridge
+  forwards, several senders to one host at once included (a broadcast's root, alltoall),
+  and a drop costs TCP a retransmission and a smaller window. With these values the
+  benchmark's runs dropped nothing, or a handful of packets in tens of GB (``qdisc_stats``).
+
+TCP congestion control (``Cluster(..., congestion="cubic,reno")``, ``--congestion``): each
+host namespace may use its own (``net.ipv4.tcp_congestion_control``); the first of the
+comma-separated names the kernel accepts there is set (a namespace other than the first
+may only pick one of ``net.ipv4.tcp_allowed_congestion_control``: reno always, cubic when
+listed). Default: the machine's own. This matters on shaped links: a machine whose default
+is BBR paces every socket from a kernel timer and cycles its sending rate below the
+estimated bandwidth, and on a 2-core machine under load that leaves a shaped link idle for
+up to 8% of a long transfer, where cubic and reno (what most clusters' hosts run) keep it full.
+
+The rate is the frame rate: Ethernet, IP and TCP headers (66 bytes per 1,448 of payload at
+the default MTU of 1,500) count against it, so TCP payload tops out at ~95.6% of the rate.
+``qdisc_stats()`` reads what the filters sent, dropped and held back, for a benchmark to
+report.
+
+Needs root, ``ip`` and ``tc`` (iproute2; ``tc`` for shaped links), ``ssh``/``ssh-keygen``/``sshd``
+(OpenSSH): see ``scripts/setup-system.sh``.
 """
 
 from __future__ import annotations
@@ -127,6 +162,36 @@ def _delete_namespace(name: str) -> None:
     run(["ip", "netns", "del", name], check=False)
 
 
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)", re.IGNORECASE)
+_RATE_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}  # tc's units are decimal
+
+
+def parse_rate(text: str) -> float:
+    """A ``tc`` rate (``1gbit``, ``500mbit``, ``10Gbit``, ``100mbps``) in bits per second.
+
+    Raises:
+        ValueError: not a rate ``tc`` takes, naming the text.
+    """
+    match = _RATE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"rate {text!r} is not valid: expected a number and a unit such as 1gbit, 500mbit, 10gbit")
+    bits = float(match.group(1)) * _RATE_SCALE[match.group(2).lower()] * (8 if match.group(3).lower() == "bps" else 1)
+    if bits <= 0:
+        raise ValueError(f"rate {text!r} is not valid: expected a rate above zero")
+    return bits
+
+
+BURST_SECONDS = 1e-3  # the bucket holds what the link carries in this long ...
+BURST_MIN = 64 * 1024  # ... but at least this many bytes
+LATENCY = "50ms"  # the longest a packet may wait in the filter's queue before tbf drops it
+
+
+def tbf_parameters(rate: str) -> list[str]:
+    """The ``tc qdisc ... tbf`` arguments that shape a link to ``rate`` (see the module docstring)."""
+    burst = max(int(parse_rate(rate) / 8 * BURST_SECONDS), BURST_MIN)
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", LATENCY]
+
+
 def _free_block(count: int) -> int:
     """A third octet X such that 198.18.X .. X+count-1 are unused here."""
     used = run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
@@ -165,11 +230,24 @@ class Cluster:
     Args:
         count: the number of hosts.
         subnets: interfaces per host (``eth0``, ``eth1``, ...), one subnet each.
+        rate: shape each host's links to this ``tc`` rate in both directions (``1gbit``,
+            ``10gbit``), or None to leave them unshaped.
+        congestion: TCP congestion control for the hosts: the first of these comma-separated
+            names the kernel accepts in a host's namespace (``cubic,reno``); None keeps the
+            machine's default.
+
+    Raises:
+        ValueError: ``rate`` is not a rate ``tc`` takes.
     """
 
-    def __init__(self, count: int, subnets: int = 1) -> None:
+    def __init__(self, count: int, subnets: int = 1, rate: str | None = None, congestion: str | None = None) -> None:
+        if rate is not None:
+            parse_rate(rate)
         self.count = count
         self.subnets = subnets
+        self.rate = rate
+        self.congestion = congestion
+        self.congestion_used = ""  # what the hosts run, once up
         self.tag = f"{PREFIX}{os.getpid()}{chr(ord('a') + random.randrange(26))}"
         self.switch = f"{self.tag}sw"
         self.hosts: list[Host] = []
@@ -224,12 +302,30 @@ class Cluster:
             run(["ip", "link", "set", port, "master", f"hb{subnet}", "up"], namespace=self.switch)
             run(["ip", "addr", "add", f"{address}/24", "dev", f"eth{subnet}"], namespace=namespace)
             run(["ip", "link", "set", f"eth{subnet}", "up"], namespace=namespace)
+            if self.rate is not None:  # what the host sends, and what the switch sends it
+                run(["tc", "qdisc", "replace", "dev", f"eth{subnet}", "root", *tbf_parameters(self.rate)],
+                    namespace=namespace)  # fmt: skip
+                run(["tc", "qdisc", "replace", "dev", port, "root", *tbf_parameters(self.rate)], namespace=self.switch)
             addresses.append(address)
         run(["ip", "route", "add", "default", "via", f"{NET}.{third}.1"], namespace=namespace)
+        self._set_congestion(namespace)
         host_dir = os.path.join(self.dir, f"host{index}")
         os.makedirs(host_dir)
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(host_dir, "host_key")])
         return Host(index, namespace, addresses)
+
+    def _set_congestion(self, namespace: str) -> None:
+        key = "net.ipv4.tcp_congestion_control"
+        if self.congestion is not None:
+            names = [name.strip() for name in self.congestion.split(",") if name.strip()]
+            if not any(run(["sysctl", "-qw", f"{key}={name}"], check=False, namespace=namespace).returncode == 0
+                       for name in names):  # fmt: skip
+                allowed = run(["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], check=False).stdout.strip()
+                raise RuntimeError(
+                    f"congestion control {self.congestion!r}: the kernel accepts none of these in a network namespace "
+                    f"(net.ipv4.tcp_allowed_congestion_control: {allowed or '?'})"
+                )
+        self.congestion_used = run(["sysctl", "-n", key], namespace=namespace).stdout.strip()
 
     def _client_key(self) -> None:
         self.key = os.path.join(self.dir, "id_ed25519")
@@ -320,6 +416,24 @@ class Cluster:
         """``pid command line`` of each process ``pids`` returns, for messages."""
         return [f"{pid} {_command_line(pid)}" for pid in self.pids(host)]
 
+    def qdisc_stats(self) -> dict[str, int]:
+        """Totals over every shaped link's filter: ``sent`` bytes, ``dropped`` and ``overlimits`` packets.
+
+        All zero when the links are not shaped. Counters run from ``up()``.
+        """
+        totals = {"sent": 0, "dropped": 0, "overlimits": 0}
+        if self.rate is None:
+            return totals
+        places = [(host.namespace, f"eth{subnet}") for host in self.hosts for subnet in range(self.subnets)]
+        places += [(self.switch, f"p{host.index}s{subnet}") for host in self.hosts for subnet in range(self.subnets)]
+        for namespace, device in places:
+            text = run(["tc", "-s", "qdisc", "show", "dev", device], check=False, namespace=namespace).stdout
+            match = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)", text)
+            if match:
+                for key, value in zip(totals, match.groups()):
+                    totals[key] += int(value)
+        return totals
+
     def firewall(self, host: Host, allow: Sequence[int] = (22,)) -> None:
         """Drops every TCP connection to the host except to the ``allow`` ports (nftables in its namespace)."""
         ports = ", ".join(str(port) for port in allow)
@@ -352,11 +466,26 @@ class Cluster:
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 2 or argv[0] != "up" or not argv[1].isdigit():
-        print("usage: netns_hosts.py up COUNT  (Ctrl-C removes the hosts)", file=sys.stderr)
+    usage = (
+        "usage: netns_hosts.py up COUNT [--rate RATE] [--congestion NAMES]  (RATE as tc takes it: 1gbit, 10gbit; "
+        "NAMES: TCP congestion control, the first the kernel accepts, e.g. cubic,reno; Ctrl-C removes the hosts)"
+    )
+    options = dict(zip(argv[2::2], argv[3::2]))
+    if (len(argv) % 2 or len(argv) < 2 or argv[0] != "up" or not argv[1].isdigit()
+            or not set(options) <= {"--rate", "--congestion"}):  # fmt: skip
+        print(usage, file=sys.stderr)
         return 2
-    cluster = Cluster(int(argv[1])).up()
+    rate = options.get("--rate")
+    try:
+        cluster = Cluster(int(argv[1]), rate=rate, congestion=options.get("--congestion"))
+    except ValueError as exc:
+        print(f"netns_hosts.py: {exc}", file=sys.stderr)
+        return 2
+    cluster.up()
     print("hosts:", " ".join(host.address for host in cluster.hosts))
+    if rate is not None:
+        print(f"links: {rate} each way per host (tc {' '.join(tbf_parameters(rate))})")
+    print(f"TCP congestion control: {cluster.congestion_used}")
     print(f"export HORA_SSH_OPTIONS='{cluster.ssh_options()}'")
     try:
         signal.pause()
