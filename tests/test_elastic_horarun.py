@@ -328,6 +328,119 @@ def test_elastic_sampler_processes_every_sample_once_across_two_resizes(tmp_path
     assert len(seen) - count == len(repeated) < final["size"] * 2
 
 
+SHARDED_WORKER = r"""
+import json, os, sys, time
+import torch
+import hora.torch as hvd
+
+out, steps, stage = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+slot = f"{os.environ['HORA_HOSTNAME']}[{os.environ['HORA_LOCAL_RANK']}]"
+with open(os.path.join(out, "pid-" + slot), "w") as f:
+    f.write(str(os.getpid()))
+hvd.init()
+
+
+def model_and_optimizer(sharded):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    if sharded:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             shard_optimizer_state=stage)
+    return model, optimizer
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(12, 7, generator=g), torch.randn(12, 3, generator=g)
+
+
+model, optimizer = model_and_optimizer(True)
+state = hvd.elastic.TorchState(model, optimizer, step=0)
+
+
+@hvd.elastic.run
+def train(state):
+    while state.step < steps:
+        # Every rank takes the whole batch: the average gradient is the same in every world,
+        # so the weights must follow one process's Adam whatever the world's size.
+        x, y = batch(state.step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        state.step += 1
+        state.commit()
+        if hvd.rank() == 0:
+            with open(os.path.join(out, "log"), "a") as f:
+                f.write(json.dumps({"step": state.step, "size": hvd.size()}) + "\n")
+        time.sleep(0.05)
+
+
+train(state)
+reference, plain = model_and_optimizer(False)
+for step in range(steps):
+    x, y = batch(step)
+    plain.zero_grad()
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    plain.step()
+gap = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters()))
+optimizer.consolidate_state_dict(to=0)
+if hvd.rank() == 0:
+    full = optimizer.state_dict()["state"]
+    state_gap = max(float((full[i]["exp_avg_sq"] - plain.state_dict()["state"][i]["exp_avg_sq"]).abs().max())
+                    for i in plain.state_dict()["state"])
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"gap": gap, "state_gap": state_gap, "size": hvd.size()}, f)
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_sharded_optimizer_is_resharded_whenever_the_world_changes(tmp_path: Path, stage: int) -> None:
+    """A killed worker takes its shard of the Adam state with it; the commit's full copy
+    reshards it over the survivors, again over the grown world, and over the shrunk one
+    when a host is only removed (no sync then): the weights and the state end as one
+    process's Adam on the same batches."""
+    job = ElasticJob(tmp_path, ["localhost", "127.0.0.1", "127.0.0.2"])
+    (tmp_path / "worker.py").write_text(SHARDED_WORKER)
+
+    def shrink_grow_shrink(job: ElasticJob) -> None:
+        job.wait_for(lambda rows: len(rows) >= 5)
+        job.kill("127.0.0.2[0]")  # a failure: restore, reset, sync
+        job.wait_for(lambda rows: rows[-1]["size"] == 2)
+        job.set_hosts(["localhost", "127.0.0.1", "127.0.0.3"])  # added: reset, sync
+        job.wait_for(lambda rows: rows[-1]["size"] == 3)
+        job.set_hosts(["localhost", "127.0.0.1"])  # only removed: reset without a sync
+
+    command = [PY, "-m", "hora.runner", "-np", "3", "--min-np", "2", "--host-discovery-script", str(job.script),
+               PY, str(tmp_path / "worker.py"), str(tmp_path), "300", str(stage)]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def act() -> None:
+        try:
+            shrink_grow_shrink(job)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=act, daemon=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    thread.start()
+    try:
+        _, err = process.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+        raise AssertionError(f"the job did not end within {RUN_TIMEOUT} s:\n{err[-3000:]}") from None
+    thread.join(timeout=30)
+    assert not errors, f"{errors[0]!r}\n{err[-3000:]}"
+    assert process.returncode == 0, err[-3000:]
+    sizes = [row["size"] for row in job.rows()]
+    changes = [size for index, size in enumerate(sizes) if index == 0 or size != sizes[index - 1]]
+    assert changes == [3, 2, 3, 2], f"{changes}\n{err[-4000:]}"
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 2
+    assert result["gap"] < 1e-5 and result["state_gap"] < 1e-6, result
+
+
 def test_fixed_hosts_make_an_elastic_job_that_survives_a_killed_worker(tmp_path: Path) -> None:
     job = ElasticJob(tmp_path, [])
     command = [PY, "-m", "hora.runner", "-np", "3", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1",

@@ -153,6 +153,9 @@ class StateHandler:
         """Makes every rank's object rank 0's."""
         raise NotImplementedError()
 
+    def reset(self) -> None:
+        """Adjusts the object to the new world after a reset (before any sync); by default nothing."""
+
     def set_value(self, value: Any) -> None:
         """Tracks another object instead, saving it at once.
 
@@ -182,26 +185,57 @@ class ModelStateHandler(StateHandler):
 
 class OptimizerStateHandler(StateHandler):
     """A ``torch.optim.Optimizer``: its ``state_dict()``, broadcast with
-    ``broadcast_optimizer_state``."""
+    ``broadcast_optimizer_state``.
+
+    A ``DistributedOptimizer`` with ``shard_optimizer_state`` keeps only this rank's
+    slices, which a new world cannot rebuild from the survivors alone: its commits keep
+    the whole state on every rank (``gather_state_dict``, a collective), and syncing
+    after a reset splits the parameters over the new world and loads rank 0's copy of
+    it (``reshard``). See docs/sharding.md.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, WrappedOptimizer) and optimizer._shard_stage:
-            raise ValueError(
-                "TorchState cannot track a DistributedOptimizer with shard_optimizer_state: its state is split over "
-                "the ranks, so a commit would gather it all on every rank and a new world would need a new "
-                "partition; use an unsharded DistributedOptimizer in elastic jobs"
-            )
         super().__init__(optimizer)
-        self._saved_optimizer_state = copy.deepcopy(optimizer.state_dict())
+        sharded = self._sharded()
+        # A worker that joins a running job builds its state while the others sync: no
+        # collective here unless a loaded state must be gathered (every rank then loaded it).
+        if sharded is not None and not sharded.holds_state():
+            self._saved_optimizer_state = sharded.empty_state_dict()
+        else:
+            self._saved_optimizer_state = self._current()
+
+    def _sharded(self) -> Any:
+        """The optimizer when it is sharded, else None."""
+        optimizer = self.value
+        return optimizer if isinstance(optimizer, WrappedOptimizer) and optimizer._shard_stage else None
+
+    def _current(self) -> dict[str, Any]:
+        sharded = self._sharded()
+        if sharded is not None:
+            return dict(sharded.gather_state_dict())  # fresh tensors: no copy needed
+        return copy.deepcopy(self.value.state_dict())
 
     def save(self) -> None:
-        self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
+        self._saved_optimizer_state = self._current()
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved_optimizer_state)
 
+    def reset(self) -> None:
+        # The world changed: split the parameters over it now, from the last commit (every
+        # survivor keeps the whole of it), also when no sync follows (hosts only removed).
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded.reshard(self._saved_optimizer_state)
+
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        sharded = self._sharded()
+        if sharded is None:
+            broadcast_optimizer_state(self.value, root_rank=0)
+            return
+        saved = broadcast_object(self._saved_optimizer_state if rank() == 0 else None, root_rank=0)
+        sharded.reshard(saved)
+        self._saved_optimizer_state = saved
 
 
 class SamplerStateHandler(StateHandler):
@@ -295,6 +329,12 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
+
+    def reset(self) -> None:
+        """Lets every tracked object adjust to the new world (a sharded optimizer is split over it)."""
+        for handler in self._handlers.values():
+            handler.reset()
+        super().reset()
 
     def sync(self) -> None:
         """Makes every rank's objects rank 0's (collectives).

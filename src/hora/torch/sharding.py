@@ -47,7 +47,7 @@ import torch
 
 from hora.collectives.reduce import ADASUM, AVERAGE, MAX, SUM
 from hora.compression import Compressor
-from hora.core.api import broadcast_object, rank, size, synchronize
+from hora.core.api import broadcast_object, current, rank, size, synchronize
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.allreduce_optimizer import _DistributedOptimizer
 from hora.torch.collectives import allgather_async, allreduce_async_, reducescatter_async
@@ -121,13 +121,19 @@ class _ShardedOptimizer(_DistributedOptimizer):
             optimizer, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
             groups, False, process_set,
         )  # fmt: skip
+        self._consolidated: dict[str, Any] | None = None
+        self._partition()
+
+    def _partition(self) -> None:
+        """Splits every trainable parameter over the job's ranks as it is now, and builds
+        the shard optimizer over this rank's pieces (with no state) and the buckets; a
+        collective when the job has more than one rank (rank 0's names order the buckets)."""
         self._parts = size() if self._active else 1
         self._me = rank() if self._active else 0
-        self._consolidated: dict[str, Any] | None = None
         self._slots: list[Slot] = []
         index = 0
         shard_groups = []
-        for group in optimizer.param_groups:
+        for group in self._optimizer.param_groups:
             pieces = []
             for p in group["params"]:
                 if p.requires_grad:
@@ -144,17 +150,39 @@ class _ShardedOptimizer(_DistributedOptimizer):
                         pieces.append(piece)
                 index += 1
             shard_groups.append({**_options(group), "params": pieces})
-        self.shard_optimizer = _build(optimizer, shard_groups)
+        self.shard_optimizer = _build(self._optimizer, shard_groups)
         self._buckets: list[Bucket] = []
         if self._active and self._parts > 1:
-            # Every rank orders the slots as rank 0 names them (reversed: backward's order).
-            order = broadcast_object([s.name for s in self._slots], root_rank=0, name="shard.order")
+            # Buckets follow backward's order: the slots reversed, as rank 0 orders them. An
+            # elastic job's workers build their optimizer at different times (a new one while
+            # the others sync), so no collective may run here: there every rank takes its own
+            # order (the same program registers its parameters alike; if not, the buckets'
+            # names differ and the collectives fail naming them).
+            if current().config.elastic:
+                order = [s.name for s in self._slots]
+            else:
+                order = broadcast_object([s.name for s in self._slots], root_rank=0, name="shard.order")
             position = {name: i for i, name in enumerate(order)}
             missing = [s.name for s in self._slots if s.name not in position]
             if missing:
                 raise ValueError(f"shard_optimizer_state: parameters {missing} are not named on rank 0")
             ordered = sorted(self._slots, key=lambda s: position[s.name], reverse=True)
             self._buckets = buckets(ordered, self._parts, BUCKET_BYTES)
+
+    def reshard(self, state_dict: dict[str, Any]) -> None:
+        """Splits the parameters over the job's ranks as they are now and loads a full
+        optimizer state into the new shards: what an elastic job does after its world
+        changed (``hora.torch.elastic.TorchState`` calls it). A collective: every rank
+        calls it, with the same state.
+
+        Args:
+            state_dict: a full state (``state_dict()`` after ``consolidate_state_dict``,
+                or what ``gather_state_dict`` returned), from any number of ranks.
+        """
+        self._reset()
+        self._consolidated = None
+        self._partition()
+        self.load_state_dict(state_dict)
 
     # ----- during backward -----
 
@@ -338,6 +366,28 @@ class _ShardedOptimizer(_DistributedOptimizer):
         """
         if not 0 <= int(to) < size():
             raise ValueError(f"consolidate_state_dict: to={to} is not a rank (the job has {size()})")
+        self._consolidated = self._gather(keep=rank() == int(to))
+
+    def holds_state(self) -> bool:
+        """Whether this rank's shard has any optimizer state (none before the first step,
+        unless a state was loaded)."""
+        return self.shard_optimizer is not None and bool(self.shard_optimizer.state)
+
+    def empty_state_dict(self) -> dict[str, Any]:
+        """The full state of an optimizer that holds none, without communication."""
+        return {"state": {}, "param_groups": self._optimizer.state_dict()["param_groups"]}
+
+    def gather_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state on every rank (a collective: call it on every rank), in
+        the format of ``state_dict()`` after ``consolidate_state_dict``. An elastic job's
+        commit keeps it, so that a new world can be resharded from any surviving rank;
+        it costs the whole state in memory on every rank while it is kept."""
+        full = self._gather(keep=True)
+        assert full is not None  # invariant: kept
+        return full
+
+    def _gather(self, keep: bool) -> dict[str, Any] | None:
+        """Gathers every rank's slices of the state; the full state where ``keep``, else None."""
         mine = self.shard_optimizer.state if self.shard_optimizer is not None else {}
         # Rank 0 owns a slice of every non-empty parameter, so its state names every entry:
         # [(slot number, [(key, sliced, dtype if sliced else the value)])].
@@ -348,7 +398,6 @@ class _ShardedOptimizer(_DistributedOptimizer):
         ]
         if self._active and self._parts > 1:
             schema = broadcast_object(schema if self._me == 0 else None, root_rank=0, name="shard.consolidate")
-        keep = rank() == int(to)
         state: dict[int, dict[str, Any]] = {}
         for k, entries in schema:
             slot = self._slots[k]
@@ -374,9 +423,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
                     values[key] = full.reshape(slot.param.shape)
             if keep:
                 state[slot.index] = {key: values[key] for key, _, _ in entries}
-        self._consolidated = (
-            {"state": state, "param_groups": self._optimizer.state_dict()["param_groups"]} if keep else None
-        )
+        return {"state": state, "param_groups": self._optimizer.state_dict()["param_groups"]} if keep else None
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state (on the rank ``consolidate_state_dict`` gathered it to).
@@ -512,8 +559,8 @@ class _Stage2Optimizer(_ShardedOptimizer):
 
     _shard_stage = 2
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def _partition(self) -> None:
+        super()._partition()
         self._bucket_of = {id(s.param): i for i, b in enumerate(self._buckets) for s in b.slots}
         self._ready = [0] * len(self._buckets)
         self._launched: dict[int, tuple[Any, Any, torch.Tensor]] = {}
