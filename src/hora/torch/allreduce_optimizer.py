@@ -275,23 +275,29 @@ class _DistributedOptimizer(WrappedOptimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Waits for the gradients' allreduces, then steps the wrapped optimizer.
-
-        With a ``closure`` (which recomputes the loss and gradients), the gradients the
-        closure computes are reduced before the wrapped optimizer uses them.
-        """
+    def _synchronize_for_step(self, closure: Callable[[], Any] | None) -> None:
+        """What ``step()`` does first: warns (as Horovod) when ``synchronize()`` already ran
+        outside ``skip_synchronize()``, and waits for the gradients unless a closure is
+        about to compute them."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             if self._handles or closure is None:
                 self.synchronize()
         self._synchronized = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Waits for the gradients' allreduces, then steps the wrapped optimizer.
+
+        With a ``closure`` (which recomputes the loss and gradients), the gradients the
+        closure computes are reduced before the wrapped optimizer uses them.
+        """
+        self._synchronize_for_step(closure)
         if closure is None or not self._should_synchronize:
             return self._optimizer.step(closure)
 

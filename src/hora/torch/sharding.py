@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -222,17 +221,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
         With a ``closure`` (which recomputes the loss and gradients), its gradients are
         reduced before the shard steps; the closure's loss is returned.
         """
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
-                    stacklevel=2,
-                )
-            if self._handles or closure is None:
-                self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
