@@ -333,7 +333,7 @@ import json, os, sys, time
 import torch
 import hora.torch as hvd
 
-out, steps, stage = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, steps, stage, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 slot = f"{os.environ['HORA_HOSTNAME']}[{os.environ['HORA_LOCAL_RANK']}]"
 with open(os.path.join(out, "pid-" + slot), "w") as f:
     f.write(str(os.getpid()))
@@ -343,7 +343,7 @@ hvd.init()
 def model_and_optimizer(sharded):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    optimizer = (torch.optim.Adam if kind == "adam" else torch.optim.Adafactor)(model.parameters(), lr=0.05)
     if sharded:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              shard_optimizer_state=stage)
@@ -386,20 +386,22 @@ for step in range(steps):
 gap = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters()))
 optimizer.consolidate_state_dict(to=0)
 if hvd.rank() == 0:
-    full = optimizer.state_dict()["state"]
-    state_gap = max(float((full[i]["exp_avg_sq"] - plain.state_dict()["state"][i]["exp_avg_sq"]).abs().max())
-                    for i in plain.state_dict()["state"])
+    full, want = optimizer.state_dict()["state"], plain.state_dict()["state"]
+    assert full.keys() == want.keys()
+    state_gap = max(float((full[i][key] - value).abs().max()) for i in want for key, value in want[i].items()
+                    if isinstance(value, torch.Tensor) and value.numel())
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"gap": gap, "state_gap": state_gap, "size": hvd.size()}, f)
 """
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_sharded_optimizer_is_resharded_whenever_the_world_changes(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize("stage, kind", [(1, "adam"), (2, "adam"), (2, "adafactor")])
+def test_a_sharded_optimizer_is_resharded_whenever_the_world_changes(tmp_path: Path, stage: int, kind: str) -> None:
     """A killed worker takes its shard of the Adam state with it; the commit's full copy
     reshards it over the survivors, again over the grown world, and over the shrunk one
     when a host is only removed (no sync then): the weights and the state end as one
-    process's Adam on the same batches."""
+    process's optimizer on the same batches (Adam: slices of every parameter per rank;
+    Adafactor: whole parameters per rank)."""
     job = ElasticJob(tmp_path, ["localhost", "127.0.0.1", "127.0.0.2"])
     (tmp_path / "worker.py").write_text(SHARDED_WORKER)
 
@@ -412,7 +414,7 @@ def test_a_sharded_optimizer_is_resharded_whenever_the_world_changes(tmp_path: P
         job.set_hosts(["localhost", "127.0.0.1"])  # only removed: reset without a sync
 
     command = [PY, "-m", "hora.runner", "-np", "3", "--min-np", "2", "--host-discovery-script", str(job.script),
-               PY, str(tmp_path / "worker.py"), str(tmp_path), "300", str(stage)]  # fmt: skip
+               PY, str(tmp_path / "worker.py"), str(tmp_path), "300", str(stage), kind]  # fmt: skip
     errors: list[BaseException] = []
 
     def act() -> None:

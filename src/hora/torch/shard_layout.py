@@ -1,7 +1,10 @@
 """How sharding splits parameters over ranks, and how buckets lay them out (no communication).
 
 - ``partition(n, N)``: rank ``r`` owns ``n // N + (1 if r < n % N else 0)`` consecutive
-  elements of a flat parameter of ``n``, as hora's reducescatter splits dimension 0.
+  elements of a flat parameter of ``n``, as hora's reducescatter splits dimension 0
+  (elementwise optimizers).
+- ``owners_by_size`` and ``whole``: each parameter whole on one rank, assigned greedily by
+  size (optimizers whose update of an element needs others: Adafactor's factored moments).
 - A ``Bucket`` is a run of parameters that travel in one collective; its buffer holds one
   segment per rank, each ``width`` elements: that rank's slices in slot order, then zeros.
   The layout depends only on the slots' order, sizes and dtype, so every rank computes
@@ -24,6 +27,28 @@ def partition(n: int, parts: int) -> list[tuple[int, int]]:
     """
     q, m = divmod(n, parts)
     return [(r * q + min(r, m), (r + 1) * q + min(r + 1, m)) for r in range(parts)]
+
+
+def owners_by_size(sizes: list[int], parts: int) -> list[int]:
+    """The rank that owns each whole parameter: largest first, each to the rank holding the
+    fewest elements so far (the lowest such rank on a tie), as ZeroRedundancyOptimizer
+    assigns them. Every rank computes the same from the sizes alone.
+
+    Example: ``owners_by_size([5, 1, 3, 3], 2) == [0, 0, 1, 1]``: 5 goes to rank 0, the
+    two 3s to rank 1 (3 < 5, then 6), the 1 to rank 0 (5 < 6).
+    """
+    loads = [0] * parts
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += sizes[i]
+    return owners
+
+
+def whole(n: int, owner: int, parts: int) -> list[tuple[int, int]]:
+    """Bounds that give all ``n`` elements to ``owner`` (``[start, end)`` per rank, consecutive)."""
+    return [(0, 0) if r < owner else (0, n) if r == owner else (n, n) for r in range(parts)]
 
 
 @dataclasses.dataclass(eq=False)

@@ -16,6 +16,14 @@ The partition (every rank computes it from the parameters' sizes alone):
   the user's hyperparameters copied into it before every step (so LR schedulers bound
   to the wrapper work). Stepping it updates this rank's slice of every parameter in
   place. The user's optimizer keeps its groups but never steps and holds no state.
+- That holds for *elementwise* optimizers (``ELEMENTWISE``: an element's update needs only
+  its own gradient and state). Any other optimizer (Adafactor's factored moments, Muon's
+  orthogonalised matrices) steps *whole* parameters: each belongs to one rank, assigned
+  largest first to the rank holding the fewest elements (``owners_by_size``), and its
+  piece is ``p.detach()`` in the parameter's own shape; the rest of the machinery (buckets,
+  reducescatter, allgather) is the same with bounds that give the owner everything. The
+  shards are then as even as the parameters' sizes allow, and consolidation gathers each
+  owner's entries whole.
 
 The step, with the invariant that makes it safe:
 
@@ -46,11 +54,11 @@ import torch
 
 from hora.collectives.reduce import ADASUM, AVERAGE, MAX, SUM
 from hora.compression import Compressor
-from hora.core.api import broadcast_object, current, rank, size, synchronize
+from hora.core.api import allgather_object, broadcast_object, current, rank, size, synchronize
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.allreduce_optimizer import _DistributedOptimizer
 from hora.torch.collectives import allgather_async, allreduce_async_, reducescatter_async
-from hora.torch.shard_layout import Bucket, Slot, buckets, flat, partition, sliced
+from hora.torch.shard_layout import Bucket, Slot, buckets, flat, owners_by_size, partition, sliced, whole
 from hora.torch.wrapper import _TOO_MANY_PASSES, _ZERO_GRAD_MISUSE, WrappedOptimizer, _check_gradient
 
 GATHER_WINDOW = 2
@@ -65,7 +73,13 @@ ELEMENTWISE = (
     torch.optim.Rprop,
 )  # fmt: skip
 """Optimizers whose update of an element depends only on that element's gradient and state
-(and scalars): stepping them on pieces of a parameter equals stepping them on the whole."""
+(and scalars): stepping them on pieces of a parameter equals stepping them on the whole.
+Any other optimizer (Adafactor, Muon, a class of your own) steps whole parameters, each on
+the rank that owns it (``owners_by_size``)."""
+
+REFUSED = (torch.optim.LBFGS, torch.optim.SparseAdam)
+"""Optimizers sharding cannot serve: LBFGS re-evaluates a closure over every parameter
+inside its step; SparseAdam needs sparse gradients."""
 
 _NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call `consolidate_state_dict(to={rank})` on "
@@ -121,6 +135,9 @@ class _ShardedOptimizer(_DistributedOptimizer):
             groups, False, process_set,
         )  # fmt: skip
         self._consolidated: dict[str, Any] | None = None
+        # Elementwise optimizers step slices of every parameter; the others whole parameters
+        # (see the module docstring).
+        self._whole = not isinstance(optimizer, ELEMENTWISE)
         self._partition()
 
     def _partition(self) -> None:
@@ -130,6 +147,8 @@ class _ShardedOptimizer(_DistributedOptimizer):
         self._parts = size() if self._active else 1
         self._me = rank() if self._active else 0
         self._slots: list[Slot] = []
+        trainable = [p for group in self._optimizer.param_groups for p in group["params"] if p.requires_grad]
+        owners = None if self._whole is False else owners_by_size([p.numel() for p in trainable], self._parts)
         index = 0
         shard_groups = []
         for group in self._optimizer.param_groups:
@@ -141,9 +160,14 @@ class _ShardedOptimizer(_DistributedOptimizer):
                             f"shard_optimizer_state: parameter '{self._parameter_names[p]}' is not contiguous; "
                             "sharding splits flat views of the parameters (make it contiguous first)"
                         )
-                    bounds = partition(p.numel(), self._parts)
-                    a, b = bounds[self._me]
-                    piece = p.detach().view(-1)[a:b] if b > a else None
+                    if owners is None:
+                        bounds = partition(p.numel(), self._parts)
+                        a, b = bounds[self._me]
+                        piece = p.detach().view(-1)[a:b] if b > a else None
+                    else:  # the whole parameter, in its own shape, on its owner
+                        owner = owners[len(self._slots)]
+                        bounds = whole(p.numel(), owner, self._parts)
+                        piece = p.detach() if owner == self._me and p.numel() else None
                     self._slots.append(Slot(p, self._parameter_names[p], index, bounds, piece))
                     if piece is not None:
                         pieces.append(piece)
@@ -211,7 +235,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
             if grad is not None:
                 self._check_dense(slot.param)
                 a, b = slot.bounds[self._me]
-                slot.piece.grad = flat(grad)[a:b]
+                slot.piece.grad = flat(grad)[a:b].view(slot.piece.shape)
             else:
                 slot.piece.grad = None
 
@@ -378,6 +402,8 @@ class _ShardedOptimizer(_DistributedOptimizer):
     def _gather(self, keep: bool) -> dict[str, Any] | None:
         """Gathers every rank's slices of the state; the full state where ``keep``, else None."""
         mine = self.shard_optimizer.state if self.shard_optimizer is not None else {}
+        if self._whole:
+            return self._gather_whole(mine, keep)
         # Rank 0 owns a slice of every non-empty parameter, so its state names every entry:
         # [(slot number, [(key, sliced, dtype if sliced else the value)])].
         schema = [
@@ -413,6 +439,24 @@ class _ShardedOptimizer(_DistributedOptimizer):
             if keep:
                 state[slot.index] = {key: values[key] for key, _, _ in entries}
         return {"state": state, "param_groups": self._optimizer.state_dict()["param_groups"]} if keep else None
+
+    def _gather_whole(self, mine: Any, keep: bool) -> dict[str, Any] | None:
+        """``_gather`` for whole parameters: each owner's entries, as they are, by one
+        object allgather (every rank receives them for the moment; the others drop them)."""
+        owned = {
+            s.index: {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v for key, v in st.items()}
+            for s in self._slots
+            if s.piece is not None and (st := mine.get(s.piece)) is not None
+        }
+        everyone = allgather_object(owned, name="shard.consolidate") if self._active and self._parts > 1 else [owned]
+        if not keep:
+            return None
+        state: dict[int, dict[str, Any]] = {}
+        devices = {s.index: s.param.device for s in self._slots}
+        for part in everyone:
+            for index, entries in part.items():
+                state[index] = {k: v.to(devices[index]) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        return {"state": state, "param_groups": self._optimizer.state_dict()["param_groups"]}
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state (on the rank ``consolidate_state_dict`` gathered it to).
@@ -458,7 +502,9 @@ class _ShardedOptimizer(_DistributedOptimizer):
             a, b = slot.bounds[self._me]
             entry: dict[str, Any] = {}
             for key, value in full.items():
-                if sliced(key, value, slot.param):
+                if self._whole:  # the owner keeps the parameter's whole state, in its shapes
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                elif sliced(key, value, slot.param):
                     if value.numel() != slot.param.numel():
                         raise ValueError(
                             f"load_state_dict: state '{key}' of parameter '{slot.name}' has {value.numel()} elements; "
@@ -600,7 +646,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
                 self._check_dense(slot.param)
                 grad = slot.param.grad
                 if slot.piece is not None:
-                    slot.piece.grad = None if grad is None else flat(grad)
+                    slot.piece.grad = None if grad is None else grad.view(slot.piece.shape)
                 slot.param.grad = None
             self._handles.clear()
             self._reset_delays()
@@ -615,7 +661,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
                 segment = self._compression.decompress(synchronize(handle), ctx)
                 for slot, grad in zip(bucket.slots, bucket.slices(self._me, segment)):
                     if slot.piece is not None:
-                        slot.piece.grad = grad
+                        slot.piece.grad = grad.view(slot.piece.shape)
         finally:
             self._launched.clear()
             self._handles.clear()
@@ -668,8 +714,7 @@ def sharded_optimizer(
 
     Raises:
         ValueError: op other than Average or Sum (Adasum included), a process set other
-            than the global one, ``groups`` with stage 2, or an optimizer whose update is
-            not elementwise (sharding steps slices of parameters).
+            than the global one, ``groups`` with stage 2, or LBFGS / SparseAdam (``REFUSED``).
     """
     if op == ADASUM:
         raise ValueError(
@@ -684,11 +729,14 @@ def sharded_optimizer(
         raise ValueError(
             "shard_optimizer_state=2 fuses gradients in its own buckets; groups= applies to stage 1 or no sharding only"
         )
-    if not isinstance(optimizer, ELEMENTWISE):
-        names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
+    if isinstance(optimizer, REFUSED):
         raise ValueError(
-            f"shard_optimizer_state: {type(optimizer).__name__} is not supported; sharding steps slices of each "
-            f"parameter, which equals stepping the whole only for elementwise optimizers ({names})"
+            f"shard_optimizer_state: {type(optimizer).__name__} is not supported: "
+            + (
+                "it re-evaluates a closure over all parameters at once in its step"
+                if isinstance(optimizer, torch.optim.LBFGS)
+                else "it needs sparse gradients, which sharding does not move"
+            )
         )
     cls = _ShardedOptimizer if stage == 1 else _Stage2Optimizer
     sharded = cls(
