@@ -235,7 +235,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
             if grad is not None:
                 self._check_dense(slot.param)
                 a, b = slot.bounds[self._me]
-                slot.piece.grad = flat(grad)[a:b].view(slot.piece.shape)
+                slot.piece.grad = flat(grad)[a:b].reshape(slot.piece.shape)
             else:
                 slot.piece.grad = None
 
@@ -646,7 +646,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
                 self._check_dense(slot.param)
                 grad = slot.param.grad
                 if slot.piece is not None:
-                    slot.piece.grad = None if grad is None else grad.view(slot.piece.shape)
+                    slot.piece.grad = None if grad is None else grad.reshape(slot.piece.shape)
                 slot.param.grad = None
             self._handles.clear()
             self._reset_delays()
@@ -661,7 +661,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
                 segment = self._compression.decompress(synchronize(handle), ctx)
                 for slot, grad in zip(bucket.slots, bucket.slices(self._me, segment)):
                     if slot.piece is not None:
-                        slot.piece.grad = grad.view(slot.piece.shape)
+                        slot.piece.grad = grad.reshape(slot.piece.shape)
         finally:
             self._launched.clear()
             self._handles.clear()
