@@ -119,10 +119,13 @@ CASES = [
     ("allreduce", 64 * MiB, "tcp", 3, 2, "ring send", 20),
     ("allreduce", 256 << 10, "shm", 2, 1, "shm barrier", 1),
     ("allreduce", 256 << 10, "tcp", 4, 0, "tcp exchange", 2),
+    ("allreduce", 16 << 10, "tcp", 3, 1, "tcp exchange", 2),  # recursive doubling, rank 1 folded into 0
+    ("allreduce", 16 << 10, "tcp", 4, 2, "tcp exchange", 3),  # recursive doubling, a power of two
     ("allgather", 16 * MiB, "shm", 3, 0, "shm barrier", 4),
     ("allgather", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
     ("broadcast", 64 * MiB, "shm", 3, 2, "shm barrier", 5),
     ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
+    ("broadcast", 16 * MiB, "tcp", 3, 1, "tcp exchange", 2),  # scatter, then the ring allgather
     ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
     ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
     ("reducescatter", 16 * MiB, "shm", 3, 1, "shm barrier", 3),

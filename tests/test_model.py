@@ -20,7 +20,6 @@ def test_counts_of_each_algorithm() -> None:
     assert model.ring_allgather(4, 400) == (3, 300)
     assert model.direct_broadcast(4, 10) == (1, 30)
     assert model.scatter_allgather_broadcast(4, 400) == (4, 600)
-    assert model.tree_broadcast(5, 10) == (3, 30)
 
 
 def test_hora_choice_follows_the_engine_switch_points() -> None:

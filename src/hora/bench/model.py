@@ -101,12 +101,6 @@ def scatter_allgather_broadcast(n: int, size: float) -> Cost:
     return (n, 2 * (n - 1) / n * size) if n > 1 else (0, 0)
 
 
-def tree_broadcast(n: int, size: float) -> Cost:
-    """Binomial tree: ceil(log2 n) rounds, the root sending the whole buffer in each."""
-    rounds = math.ceil(math.log2(n)) if n > 1 else 0
-    return (rounds, rounds * size)
-
-
 def hora_allreduce_flat(n: int, size: float) -> Cost:
     """What hora's TCP path runs for one rank per host (``TcpCollectives.allreduce``)."""
     return doubling_allreduce(n, size) if size <= DOUBLING_MAX_BYTES else ring_allreduce(n, size)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hora.collectives.ring import even_bounds
+
 
 def partition(n: int, parts: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` of each rank's slice of ``n`` elements, as hora's reducescatter splits them.
@@ -25,8 +27,7 @@ def partition(n: int, parts: int) -> list[tuple[int, int]]:
     Example: ``partition(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]``; ``partition(2, 3) ==
     [(0, 1), (1, 2), (2, 2)]``.
     """
-    q, m = divmod(n, parts)
-    return [(r * q + min(r, m), (r + 1) * q + min(r + 1, m)) for r in range(parts)]
+    return [(offset, offset + length) for offset, length in even_bounds(n, parts)]
 
 
 def owners_by_size(sizes: list[int], parts: int) -> list[int]:

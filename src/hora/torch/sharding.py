@@ -306,9 +306,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
             AssertionError: gradients are still being reduced (called between
                 ``backward()`` and ``step()``/``synchronize()``).
         """
-        if self._handles:
-            raise AssertionError(_ZERO_GRAD_MISUSE)
-        self._optimizer.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
         if self.shard_optimizer is not None:
             self.shard_optimizer.zero_grad(set_to_none)
 
