@@ -7,7 +7,8 @@ Two measurements per engine, every rank on the CPU, one process per rank:
 * ``step``: one training step of a Flax MLP (784-1024-1024-10, batch 64 per rank, Adam):
   gradients, their average over the ranks, the update; milliseconds per step.
 
-Engines: ``hora`` (``hvd.allreduce`` and ``hvd.DistributedOptimizer``, under ``horarun``);
+Engines: ``hora`` (``hvd.allreduce`` and ``hvd.DistributedOptimizer``, under ``horarun``;
+``hora-bound`` the same under ``horarun --bind-to core``, as ``mpirun`` binds mpi4jax's ranks);
 ``jax.distributed`` (``jax.distributed.initialize`` with gloo CPU collectives, ``psum``/
 ``pmean`` over a mesh of every process's CPU device, in ``shard_map``); ``mpi4jax``
 (``mpi4jax.allreduce`` inside ``jit``, under Open MPI's ``mpirun``; skipped when mpi4jax is
@@ -199,9 +200,10 @@ def _launch(engine: str, args: argparse.Namespace) -> dict[str, Any] | None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     if args.single_threaded_xla:  # every engine alike: one XLA compute thread per rank
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREADED_XLA).strip()
-    me = [sys.executable, __file__, "--worker", engine, "--iters", str(args.iters)]
-    if engine == "hora":
-        procs = [subprocess.Popen([sys.executable, "-m", "hora.runner", "-np", str(args.np), *me], env=env,
+    me = [sys.executable, __file__, "--worker", engine.split("-")[0], "--iters", str(args.iters)]
+    if engine in ("hora", "hora-bound"):
+        bind = ["--bind-to", "core"] if engine == "hora-bound" else []
+        procs = [subprocess.Popen([sys.executable, "-m", "hora.runner", "-np", str(args.np), *bind, *me], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     elif engine == "mpi4jax":
         procs = [subprocess.Popen(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), *me],
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--engines", default="hora,jax.distributed,mpi4jax")
+    parser.add_argument("--engines", default="hora,hora-bound,jax.distributed,mpi4jax")
     parser.add_argument(
         "--multi-threaded-xla",
         dest="single_threaded_xla",
@@ -264,17 +266,16 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in results) for k in ("allreduce_ms", "step_ms")}
         table[engine] = med
         print(f"{engine:18s} {med['allreduce_ms']:17.1f} {med['step_ms']:9.2f}")
-        if engine == "hora":
+        if engine.startswith("hora"):
             eager = statistics.median(r["allreduce_eager_ms"] for r in results)
-            print(f"{'hora (eager)':18s} {eager:17.1f}")
-    if "hora" in table:
+            print(f"{engine + ' (eager)':18s} {eager:17.1f}")
+    for mine in (e for e in ("hora", "hora-bound") if e in table):
         for engine, med in table.items():
-            if engine != "hora":
+            if not engine.startswith("hora"):
                 print(
-                    f"{engine} / hora: allreduce {med['allreduce_ms'] / table['hora']['allreduce_ms']:.2f}x, "
-                    f"step {med['step_ms'] / table['hora']['step_ms']:.2f}x"
+                    f"{engine} / {mine}: allreduce {med['allreduce_ms'] / table[mine]['allreduce_ms']:.2f}x, "
+                    f"step {med['step_ms'] / table[mine]['step_ms']:.2f}x"
                 )
-
 
 if __name__ == "__main__":
     main()

@@ -389,3 +389,40 @@ def test_response_cache_is_transparent(capacity):
             assert out[step][1].tolist() == [2.0, 2.0]
         assert "shapes differ across ranks: rank 0: (3,), rank 1: (4,)" in out[5]
         assert out[6].tolist() == [2.0] * 5
+
+
+def caller_left_early_job() -> dict:
+    import time
+
+    import hora.numpy as hvd
+    from hora.core.api import current
+
+    hvd.init()
+    me = hvd.rank()
+    out: dict = {}
+    # A kernel's block: its submits leave executing to this thread's own wait ...
+    with current().caller_drives():
+        out["driven"] = hvd.allreduce(np.full(2, me + 1.0), name="driven", op=hvd.Sum).tolist()
+    # ... and when the block raises before it waits, the engine thread executes them.
+    handle = None
+    try:
+        with current().caller_drives():
+            handle = hvd.allreduce_async(np.full(3, me + 1.0), name="left", op=hvd.Sum)
+            raise KeyError("the kernel failed before waiting")
+    except KeyError:
+        pass
+    deadline = time.monotonic() + 20  # the stall check (60 s) would be the engine thread's next look
+    while not hvd.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["polled"] = hvd.poll(handle)
+    out["left"] = hvd.synchronize(handle).tolist()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.timeout(90)
+def test_a_caller_that_drives_its_own_submits_and_one_that_leaves_early(size):
+    total = size * (size + 1) / 2
+    for out in run_ranks(size, caller_left_early_job):
+        assert out == {"driven": [total] * 2, "polled": True, "left": [total] * 3}

@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from netns_hosts import Cluster, ensure_system, namespace_pids  # noqa: E402
 
+from hora.runner import cpu_binding  # noqa: E402
+
 pytestmark = pytest.mark.system
 
 PY = sys.executable
@@ -61,6 +63,7 @@ RANK = textwrap.dedent(
         "host": os.environ["HORA_HOSTNAME"], "cwd": os.getcwd(), "addresses": mesh_addresses(),
         "foo": os.environ.get("HORA_TEST_FOO"), "bar": os.environ.get("HORA_TEST_BAR"),
         "baz": os.environ.get("TEST_BAZ"), "home_secret": "HORA_SSH_OPTIONS" in os.environ,
+        "cpus": sorted(os.sched_getaffinity(0)),
     }))
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     if mode.startswith("fail:") and hvd.rank() == int(mode[5:]):
@@ -170,9 +173,16 @@ def test_three_hosts_two_slots_each(cluster: Cluster, rank_script: Path, tmp_pat
 
 def test_this_machine_and_a_remote_host_two_by_two(cluster: Cluster, rank_script: Path, tmp_path: Path) -> None:
     remote = cluster.hosts[0]
-    result = horarun(cluster, ["-np", "4", "-H", f"localhost:2,{remote.address}:2", PY, str(rank_script)], tmp_path)
+    result = horarun(
+        cluster, ["-np", "4", "-H", f"localhost:2,{remote.address}:2", "--bind-to", "core", PY, str(rank_script)],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     ranks = records(result.stdout)
+    # --bind-to core: each host's two ranks split its CPUs, here by horarun, there by its supervisor.
+    cores = cpu_binding.cores(sorted(os.sched_getaffinity(0)))
+    if len(cores) >= 2:
+        assert [ranks[r]["cpus"] for r in range(4)] == [sorted(cpu_binding.block(r % 2, 2, cores) or ()) for r in range(4)]
     assert [ranks[r]["sum"] for r in range(4)] == [[10.0] * 3] * 4
     assert [(ranks[r]["local_rank"], ranks[r]["cross_rank"], ranks[r]["cross_size"]) for r in range(4)] == [
         (0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)

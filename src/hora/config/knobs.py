@@ -464,6 +464,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_SSH_OPTIONS", Text(), None, "launcher",
          "extra `ssh` arguments for reaching remote hosts, split as a shell would, e.g. "
          "`-F ~/.ssh/cluster_config`", shown_default="unset"),
+    Knob("HORA_BIND_TO", Choice(("none", "core")), "none", "launcher",
+         "`core`: horarun pins each rank (and what it starts) to its own contiguous block of its host's cores, "
+         "as `mpirun --bind-to core` does; a host with more ranks than CPUs stays unbound (docs/launching.md)",
+         options=(Option(("--bind-to",), "pin each rank to its own block of cores: core or none", "WHAT"),)),
     Knob("HORA_SPARK_START_TIMEOUT", Number(strict=True), 600.0, "launcher",
          "seconds `hora.spark.run` waits for Spark to start every task of its stage (its `start_timeout` "
          "argument wins)", ("HOROVOD_SPARK_START_TIMEOUT",)),

@@ -166,6 +166,10 @@ class Runtime:
         except HoraInternalError:
             pass  # no job left to tell
 
+    def caller_drives(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose collectives this thread submits and waits for at once (``Engine.caller_drives``)."""
+        return self.engine.caller_drives()
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Queues every tensor this thread submits inside the block at once, when it ends.

@@ -35,13 +35,14 @@ every worker has left.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from hora import logs
 from hora.config import Config
@@ -199,6 +200,12 @@ class Engine:
         self._bells: dict[int, _thread.LockType] = {}
         self._caller_left = float("-inf")  # perf_counter time a caller last released _drive
         self._last_work = 0.0  # perf_counter time the engine thread's loop last did something
+        # The engine thread spins after work only when the process may run on more than one
+        # CPU: bound to one (horarun --bind-to core on a host with as many cores as ranks),
+        # its spin takes the only CPU from the thread it waits with, the rank's own caller.
+        self._engine_spins = len(os.sched_getaffinity(0)) > 1
+        # Threads inside caller_drives(): their submits leave executing to their own drive.
+        self._drivers = threading.local()
         self.failure: str | None = None  # why the job failed on this rank, once it has
         self._thread = threading.Thread(target=self._run, name=f"hora-engine-{self.rank}", daemon=True)
 
@@ -311,13 +318,34 @@ class Engine:
             finally:
                 self._shielded = False
                 self._let_go()
-            if control.responses or self._caller_error is not None:
+            if self._caller_error is not None or (control.responses and not getattr(self._drivers, "on", False)):
                 self._sleeper.wake()  # the engine thread executes, unless a waiting caller gets there first
             elif proposed:
                 self._sleeper.wake_if_sleeping()  # a sleeping engine thread does not watch the lane yet
         finally:
             if shielded:
                 self._shield.leave()  # runs the signal handlers held back meanwhile (they may raise)
+
+    @contextlib.contextmanager
+    def caller_drives(self) -> Iterator[None]:
+        """Marks the block's submits as this thread's to execute: it waits for them at once.
+
+        A kernel of a compiled program (a JAX custom call) submits and then drives its
+        handles straight away, on a thread that shares its CPU with the engine thread when
+        the rank is bound to one core. Waking the engine thread to execute what this thread
+        is about to execute itself only costs two context switches and a contended lock per
+        call. Inside the block a submit does not wake it for responses ready to execute:
+        ``drive`` executes them, and wakes the engine thread for anything it leaves. A block
+        that raises wakes it, so what it queued and did not wait for is still executed.
+        """
+        self._drivers.on = True
+        try:
+            yield
+        except BaseException:
+            self._sleeper.wake()  # left before (or while) driving: the engine thread takes over
+            raise
+        finally:
+            self._drivers.on = False
 
     def drive(self, handle: Handle) -> None:
         """Waits until ``handle`` completes, running engine passes on this thread if it can.
@@ -543,7 +571,8 @@ class Engine:
             if self._driving or time.perf_counter() - self._caller_left < PARK_SECONDS:
                 events = sleeper.park()
             else:
-                events = sleeper.poll(sleeper.poller, lambda: control.published, caller=False, spin_since=self._last_work)
+                spin_since = self._last_work if self._engine_spins else float("-inf")
+                events = sleeper.poll(sleeper.poller, lambda: control.published, caller=False, spin_since=spin_since)
             with self._drive:
                 # Invariant: _finished is set before the lock is let go for the last time,
                 # so no caller drives an engine that is ending (it would read, and lose, the

@@ -225,11 +225,17 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDty
     Returns:
         The kernel's outputs as jax.Arrays (or tracers), one per ``out_shapes``.
     """
+    # A kernel submits and waits at once: the calling thread executes its own collectives
+    # (Engine.caller_drives), inside jit on XLA's thread, which a bound rank shares with
+    # hora's engine thread.
     if not is_traced(inputs):
-        return [adopt(y) for y in kernel(key, *[host_view(x) for x in inputs])]
+        with current().caller_drives():
+            results = kernel(key, *[host_view(x) for x in inputs])
+        return [adopt(y) for y in results]
 
     def body(arrays: list[np.ndarray], outputs: list[np.ndarray]) -> list[np.ndarray]:
-        return kernel(key, *arrays, into=outputs)
+        with current().caller_drives():
+            return kernel(key, *arrays, into=outputs)
 
     return host_call(body, inputs, out_shapes)
 

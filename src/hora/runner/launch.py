@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from hora.runner import hosts
+from hora.runner import cpu_binding, hosts
 from hora.runner.hosts import SlotInfo
 from hora.runner.elastic.settings import ElasticSettings
 from hora.runner.job import Job
@@ -56,6 +56,7 @@ def _check(settings: LaunchSettings) -> None:
         ValueError: as ``prepare``.
     """
     settings.validate()
+    cpu_binding.requested({**os.environ, **settings.tuning.env()})  # a bad HORA_BIND_TO fails here
     missing = forwarded_missing(os.environ, settings.forward_env)
     if missing:
         raise ValueError(
@@ -131,6 +132,11 @@ def launch(settings: LaunchSettings, is_local: Callable[[str], bool] = hosts.is_
         for line in exc.lines:
             stderr.line(f"horarun: error: {line}")
         return HOSTS_FAILED
+    here = [slot.local_size for slot in slots if is_local(slot.hostname)]
+    if here and cpu_binding.requested({**os.environ, **settings.tuning.env()}):
+        warning = cpu_binding.unbound_warning(here[0])
+        if warning is not None:
+            stderr.line(warning)
     job = Job(settings, slots, Sink(sys.stdout), stderr, os.environ, placement=placement)
     result = job.run(handle_signals=True)
     for line in failure_lines(result):

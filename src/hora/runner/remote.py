@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hora.runner import cpu_binding
 from hora.runner.control import encode_marker
 
 _LEFTOVER_GRACE = 1.0  # seconds what is left of a finished rank's group gets before SIGKILL
@@ -157,7 +158,13 @@ def supervise() -> int:
             _write_marker({"exit": 127})
             return 127
     try:
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        bind = cpu_binding.preexec(env)
+    except ValueError as exc:
+        sys.stderr.write(f"horarun: cannot bind the rank on host {host}: {exc}\n")
+        _write_marker({"exit": 127})
+        return 127
+    try:
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=bind)
     except OSError as exc:
         sys.stderr.write(f"horarun: cannot start {command[0]!r} on host {host}: {exc.strerror or exc}\n")
         _write_marker({"exit": 127})

@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, BinaryIO
 
+from hora.runner import cpu_binding
 from hora.runner.hosts import SlotInfo
 from hora.runner.lifeline import Lifeline
 from hora.runner.output import Sink, StreamForwarder, rank_dir
@@ -182,6 +183,8 @@ class Worker:
             os.makedirs(directory, exist_ok=True)
             copies = [open(os.path.join(directory, name), "wb", buffering=0) for name in ("stdout", "stderr")]
         try:
+            # A rank here binds itself to its cores (--bind-to) in the child; a remote one's
+            # supervisor does that on its host.
             process = subprocess.Popen(
                 list(remote.ssh_command) if remote is not None else list(command),
                 env=dict(env),
@@ -189,6 +192,7 @@ class Worker:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=None if remote is not None else cpu_binding.preexec(env),
             )
         except OSError:
             for copy in copies:
