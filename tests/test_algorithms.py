@@ -113,3 +113,113 @@ def test_scatter_allgather_broadcast_from_every_root(size: int, count: int) -> N
 
         for rank, got in enumerate(run_threads(size, job)):
             assert np.array_equal(got, np.arange(count, dtype=np.float64)), f"root {root}, rank {rank}"
+
+
+class ThreadPipe:
+    """A one-way byte stream between two thread ranks, holding at most ``capacity`` bytes
+    (what a socket's buffers hold: a sender that runs ahead must wait)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.data = bytearray()
+        self.capacity = capacity
+        self.changed = threading.Condition()
+
+
+class ThreadStream:
+    """One rank's ``pipeline.RingStream``: non-blocking sends right, receives from the left."""
+
+    def __init__(self, right: ThreadPipe, left: ThreadPipe) -> None:
+        self._right, self._left = right, left
+
+    def send(self, data: memoryview) -> int:
+        with self._right.changed:
+            room = self._right.capacity - len(self._right.data)
+            taken = min(room, len(data))
+            self._right.data += data[:taken]
+            self._right.changed.notify_all()
+            return taken
+
+    def recv_into(self, data: memoryview) -> int:
+        with self._left.changed:
+            taken = min(len(self._left.data), len(data))
+            data[:taken] = self._left.data[:taken]
+            del self._left.data[:taken]
+            self._left.changed.notify_all()
+            return taken
+
+    def wait(self, sending: bool, receiving: bool) -> None:
+        # Either side may change first: wait on each briefly in turn (a test, not a fast path).
+        if receiving:
+            with self._left.changed:
+                if not self._left.data:
+                    self._left.changed.wait(0.005)
+        if sending:
+            with self._right.changed:
+                if len(self._right.data) >= self._right.capacity:
+                    self._right.changed.wait(0.005)
+
+
+def run_ring(size: int, fn: Callable[[int, ThreadStream], object], capacity: int = 1000) -> list[object]:
+    """``fn(rank, stream)`` on ``size`` thread ranks joined in a ring of byte pipes."""
+    pipes = [ThreadPipe(capacity) for _ in range(size)]  # pipes[r]: from rank r to rank r + 1
+    results: list[object] = [None] * size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, ThreadStream(pipes[rank], pipes[(rank - 1) % size]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    assert not any(pipe.data for pipe in pipes), "bytes were sent that nobody received"
+    return results
+
+
+def ragged_bounds(size: int, seed: int) -> list[tuple[int, int]]:
+    """Segments of random lengths, some empty (an allgather of tensors of different first dimensions)."""
+    lengths = np.random.default_rng(seed).integers(0, 40, size)
+    lengths[seed % size] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return [(int(o), int(n)) for o, n in zip(offsets, lengths)]
+
+
+@pytest.mark.parametrize("size", range(2, 10))
+@pytest.mark.parametrize("chunk_bytes", [8, 56, 1 << 20])
+def test_pipelined_ring_allreduce_reduce_scatter_and_allgather(size: int, chunk_bytes: int) -> None:
+    from hora.collectives import pipeline
+
+    total = reducer(SUM, DataType.INT64)
+    ragged = ragged_bounds(size, size + chunk_bytes)
+    rows = sum(n for _, n in ragged)
+
+    def contribution(rank: int, count: int) -> np.ndarray:
+        return np.arange(count, dtype=np.int64) * (rank + 1) + rank
+
+    def job(rank: int, stream: ThreadStream) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        reduced = contribution(rank, 1003)
+        pipeline.allreduce(stream, rank, size, reduced, total, chunk_bytes)
+        scattered = contribution(rank, rows)
+        pipeline.reduce_scatter(stream, rank, size, scattered, ragged, total, chunk_bytes)
+        offset, length = ragged[rank]
+        gathered = np.full(rows, -1, dtype=np.int64)
+        gathered[offset : offset + length] = contribution(rank, rows)[offset : offset + length]
+        pipeline.allgather(stream, rank, size, gathered, ragged, chunk_bytes)
+        return reduced, scattered[offset : offset + length].copy(), gathered
+
+    results = run_ring(size, job)
+    whole = sum(contribution(r, 1003) for r in range(size))
+    sums = sum(contribution(r, rows) for r in range(size))
+    for rank, (reduced, segment, gathered) in enumerate(results):
+        offset, length = ragged[rank]
+        assert np.array_equal(reduced, whole)
+        assert np.array_equal(segment, sums[offset : offset + length])
+        owners = np.concatenate([contribution(r, rows)[o : o + n] for r, (o, n) in enumerate(ragged)])
+        assert np.array_equal(gathered, owners)

@@ -122,14 +122,16 @@ CASES = [
     ("allreduce", 16 << 10, "tcp", 3, 1, "tcp exchange", 2),  # recursive doubling, rank 1 folded into 0
     ("allreduce", 16 << 10, "tcp", 4, 2, "tcp exchange", 3),  # recursive doubling, a power of two
     ("allgather", 16 * MiB, "shm", 3, 0, "shm barrier", 4),
-    ("allgather", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
+    ("allgather", 16 * MiB, "tcp", 3, 1, "ring send", 20),  # the pipelined ring
+    ("allgather", 1 * MiB, "tcp", 3, 1, "tcp exchange", 1),  # the ring, segment by segment
     ("broadcast", 64 * MiB, "shm", 3, 2, "shm barrier", 5),
     ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
     ("broadcast", 16 * MiB, "tcp", 3, 1, "tcp exchange", 2),  # scatter, then the ring allgather
     ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
     ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
     ("reducescatter", 16 * MiB, "shm", 3, 1, "shm barrier", 3),
-    ("reducescatter", 16 * MiB, "tcp", 3, 0, "tcp exchange", 2),
+    ("reducescatter", 16 * MiB, "tcp", 3, 0, "ring send", 10),  # the pipelined ring
+    ("reducescatter", 2 * MiB, "tcp", 3, 2, "tcp exchange", 2),  # the ring, segment by segment
     ("grouped", 16 * MiB, "shm", 3, 2, "shm barrier", 3),
     ("grouped", 16 * MiB, "tcp", 2, 1, "ring send", 5),
     ("allreduce", 4, "shm", 3, 1, "lane proposal", 1),
@@ -176,7 +178,7 @@ def test_a_rank_killed_mid_hierarchical_allreduce_fails_every_survivor(victim, p
     check_survivors(results, victim)
 
 
-FREEZES = [("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5), ("allgather", 16 * MiB, "tcp", 3, 2, "tcp exchange", 1)]
+FREEZES = [("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5), ("allgather", 16 * MiB, "tcp", 3, 2, "ring send", 5)]
 
 
 @pytest.mark.parametrize("op, nbytes, transport, size, victim, point, after", FREEZES, ids=["shm", "tcp"])

@@ -1,4 +1,4 @@
-"""The pipelined ring allreduce: one stream of chunks around the ring.
+"""The pipelined ring: allreduce, reduce-scatter and allgather as one stream of chunks.
 
 The plain ring runs ``2(n-1)`` steps, each a whole-segment transfer followed by a
 whole-segment reduction. Here every segment is cut into chunks and each rank streams
@@ -14,6 +14,11 @@ it is queued for sending the moment it has been reduced or received: transfers,
 reductions and both phases overlap, and the kernel's socket buffers carry the data
 that arrives while a chunk is being reduced.
 
+Reduce-scatter alone is the first phase (the last step leaves segment ``r`` reduced
+here), allgather alone the second (segment ``r`` is this rank's on entry); their segments
+may differ in size, even be empty (an allgather of tensors of different first
+dimensions), as long as every rank passes the same ``bounds``.
+
 Stream order: every rank queues all chunks of its first send at once, and every later
 chunk when its predecessor step's chunk arrives; arrivals are processed in order, so
 each rank's stream is step-major and chunk-ordered, and the receiver knows which chunk
@@ -28,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from hora.collectives.reduce import Reducer
-from hora.collectives.ring import even_bounds
+from hora.collectives.ring import Bounds, even_bounds
 
 CHUNK_BYTES = 1 << 20
 
@@ -67,20 +72,74 @@ def allreduce(
         reduce: folds its second argument into its first.
         chunk_bytes: the pipelining granularity.
     """
+    _run(stream, rank, size, buffer, even_bounds(buffer.size, size), ("rs", "ag"), reduce, chunk_bytes)
+
+
+def reduce_scatter(
+    stream: RingStream,
+    rank: int,
+    size: int,
+    buffer: np.ndarray,
+    bounds: Bounds,
+    reduce: Reducer,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Reduces ``buffer`` around the ring, leaving segment ``rank`` of ``bounds`` reduced here.
+
+    Other segments hold partial sums afterwards (as ``ring.reduce_scatter`` leaves them).
+
+    Args:
+        bounds: (offset, length) of each rank's segment, the same on every rank.
+        stream, rank, size, buffer, reduce, chunk_bytes: as ``allreduce``.
+    """
+    _run(stream, rank, size, buffer, bounds, ("rs",), reduce, chunk_bytes)
+
+
+def allgather(
+    stream: RingStream, rank: int, size: int, buffer: np.ndarray, bounds: Bounds, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """Fills every segment of ``buffer`` from the rank that owns it, around the ring.
+
+    Args:
+        buffer: holds this rank's segment on entry, every segment on return.
+        bounds: (offset, length) of each rank's segment, the same on every rank.
+        stream, rank, size, chunk_bytes: as ``allreduce``.
+    """
+    _run(stream, rank, size, buffer, bounds, ("ag",), None, chunk_bytes)
+
+
+def _run(
+    stream: RingStream,
+    rank: int,
+    size: int,
+    buffer: np.ndarray,
+    bounds: Bounds,
+    phases: tuple[str, ...],
+    reduce: Reducer | None,
+    chunk_bytes: int,
+) -> None:
+    """Streams ``phases`` (``"rs"``, ``"ag"`` or both, in that order) of the ring over ``bounds``."""
     n = size
     if n == 1 or buffer.size == 0:
         return
     step = max(1, chunk_bytes // buffer.itemsize)
-    segments = even_bounds(buffer.size, n)
-    chunks = [_chunks(offset, length, step) for offset, length in segments]
-    scratch = np.empty(min(step, max(length for _, length in segments)), dtype=buffer.dtype)
+    chunks = [_chunks(offset, length, step) for offset, length in bounds]
+    largest = max(length for _, length in bounds)
+    scratch = np.empty(min(step, largest), dtype=buffer.dtype) if "rs" in phases else buffer[:0]
     raw = buffer.view(np.uint8)
     item = buffer.itemsize
 
-    # Everything this rank will receive, in stream order: (phase, step, segment).
-    plan = [("rs", s, (rank - s - 2) % n) for s in range(n - 1)] + [("ag", s, (rank - s - 1) % n) for s in range(n - 1)]
+    # Everything this rank will receive, in stream order: (phase, step, segment); and the
+    # step after which a received chunk stops (the last step of the last phase).
+    plan = []
+    if "rs" in phases:
+        plan += [("rs", s, (rank - s - 2) % n) for s in range(n - 1)]
+    if "ag" in phases:
+        plan += [("ag", s, (rank - s - 1) % n) for s in range(n - 1)]
+    last = plan[-1][:2]
     receives = deque((phase, s, start, count) for phase, s, seg in plan for start, count in chunks[seg])
-    sends: deque[memoryview] = deque(raw[start * item : (start + count) * item].data for start, count in chunks[(rank - 1) % n])
+    first = (rank - 1) % n if phases[0] == "rs" else rank
+    sends: deque[memoryview] = deque(raw[start * item : (start + count) * item].data for start, count in chunks[first])
     sending: memoryview | None = None
     incoming: tuple[str, int, int, int] | None = None
     target = memoryview(b"")
@@ -110,10 +169,11 @@ def allreduce(
                 phase, s, start, count = incoming
                 incoming = None
                 if phase == "rs":
+                    assert reduce is not None  # invariant: a plan with "rs" steps comes with a reducer
                     reduce(buffer[start : start + count], scratch[:count])
-                # The chunk goes on: to the next reduce-scatter step, to the first
-                # allgather step (after the last reduction), or to the next allgather step.
-                if not (phase == "ag" and s == n - 2):
+                # The chunk goes on: to the next step of its phase, or from the last
+                # reduction to the first allgather step; the last step's stays here.
+                if (phase, s) != last:
                     sends.append(raw[start * item : (start + count) * item].data)
         if not progressed:
             stream.wait(sending is not None or bool(sends), incoming is not None)

@@ -94,9 +94,10 @@ class StreamingChannel(Channel, Protocol):
 class TcpCollectives:
     """Ring and point-to-point algorithms over a channel of TCP links.
 
-    Allreduces larger than one pipeline chunk per rank use the pipelined ring; small
-    ones (``DOUBLING_MAX_BYTES``) recursive doubling, which takes fewer steps; those in
-    between the plain ring, which has less bookkeeping per byte. Large broadcasts to
+    Allreduces, reduce-scatters and allgathers larger than one pipeline chunk per rank
+    use the pipelined ring; small allreduces (``DOUBLING_MAX_BYTES``) recursive doubling,
+    which takes fewer steps; everything in between the plain ring, which has less
+    bookkeeping per byte. Large broadcasts to
     more than two ranks scatter and allgather (``SCATTER_BROADCAST_MIN_BYTES``).
 
     Args:
@@ -132,7 +133,7 @@ class TcpCollectives:
     def allreduce(
         self, buffer: np.ndarray, reduce: Reducer, postscale: Callable[[np.ndarray], None] | None = None
     ) -> None:
-        if self.size > 1 and buffer.nbytes > pipeline.CHUNK_BYTES * self.size:  # a set of one has no ring links
+        if self._streams(buffer):  # a set of one has no ring links
             pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
         elif buffer.nbytes <= DOUBLING_MAX_BYTES:
             doubling.allreduce(self._channel, buffer, reduce, self._scratch_for(buffer.size, buffer.dtype))
@@ -151,14 +152,25 @@ class TcpCollectives:
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
         adasum.allreduce(self._channel, buffer, tensors)
 
+    def _streams(self, buffer: np.ndarray) -> bool:
+        """Whether the pipelined ring carries ``buffer``: more than a chunk per rank (below
+        that, the ring's whole-segment steps are as fast and keep no stream state)."""
+        return self.size > 1 and buffer.nbytes > pipeline.CHUNK_BYTES * self.size
+
     def reduce_scatter(self, data: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:
-        scratch = self._scratch_for(max((length for _, length in bounds), default=0), data.dtype)
-        ring.reduce_scatter(self._channel, data, bounds, reduce, scratch)
+        if self._streams(data):
+            pipeline.reduce_scatter(self._channel.ring_stream(), self.rank, self.size, data, bounds, reduce)
+        else:
+            scratch = self._scratch_for(max((length for _, length in bounds), default=0), data.dtype)
+            ring.reduce_scatter(self._channel, data, bounds, reduce, scratch)
         offset, length = bounds[self.rank]
         output[...] = data[offset : offset + length]
 
     def allgather(self, buffer: np.ndarray, bounds: Bounds) -> None:
-        ring.allgather(self._channel, buffer, bounds)
+        if self._streams(buffer):
+            pipeline.allgather(self._channel.ring_stream(), self.rank, self.size, buffer, bounds)
+        else:
+            ring.allgather(self._channel, buffer, bounds)
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
         if self.size > 2 and buffer.nbytes >= SCATTER_BROADCAST_MIN_BYTES:
