@@ -44,28 +44,34 @@ class ThreadChannel:
                 buffer[...] = got
 
 
-def run_threads(size: int, fn: Callable[[ThreadChannel], object]) -> list[object]:
-    """``fn(channel)`` on ``size`` thread ranks; their results by rank (re-raising a failure)."""
-    queues: dict[tuple[int, int], queue.Queue[np.ndarray]] = {
-        (a, b): queue.Queue() for a in range(size) for b in range(size) if a != b
-    }
+def run_ranks(size: int, rank_main: Callable[[int], object], timeout: float = 30) -> list[object]:
+    """``rank_main(rank)`` on ``size`` threads; their results by rank (re-raising a failure)."""
     results: list[object] = [None] * size
     errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
+    def guarded(rank: int) -> None:
         try:
-            results[rank] = fn(ThreadChannel(rank, size, queues))
+            results[rank] = rank_main(rank)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=timeout)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     if errors:
         raise errors[0]
+    return results
+
+
+def run_threads(size: int, fn: Callable[[ThreadChannel], object]) -> list[object]:
+    """``fn(channel)`` on ``size`` thread ranks joined by an in-process mesh."""
+    queues: dict[tuple[int, int], queue.Queue[np.ndarray]] = {
+        (a, b): queue.Queue() for a in range(size) for b in range(size) if a != b
+    }
+    results = run_ranks(size, lambda rank: fn(ThreadChannel(rank, size, queues)))
     for queue_ in queues.values():
         assert queue_.empty(), "a message was sent that nobody received"
     return results
@@ -162,23 +168,7 @@ class ThreadStream:
 def run_ring(size: int, fn: Callable[[int, ThreadStream], object], capacity: int = 1000) -> list[object]:
     """``fn(rank, stream)`` on ``size`` thread ranks joined in a ring of byte pipes."""
     pipes = [ThreadPipe(capacity) for _ in range(size)]  # pipes[r]: from rank r to rank r + 1
-    results: list[object] = [None] * size
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, ThreadStream(pipes[rank], pipes[(rank - 1) % size]))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
+    results = run_ranks(size, lambda rank: fn(rank, ThreadStream(pipes[rank], pipes[(rank - 1) % size])), 60)
     assert not any(pipe.data for pipe in pipes), "bytes were sent that nobody received"
     return results
 
