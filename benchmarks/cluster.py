@@ -1,11 +1,14 @@
-"""hora across hosts on an emulated cluster: busbw per size against the link's bound.
+"""hora across hosts on an emulated cluster: busbw per size against the link's bound, and beside its peers.
 
 For each host count N of ``--hosts`` and each rate of ``--rate``, this brings up N
 network-namespace hosts with a real sshd each (``scripts/netns_hosts.py``), each host's
 link shaped to the rate in both directions with ``tc ... tbf`` (or left unshaped with
-``none``), runs ``hora-bench`` on them as horarun's ranks (``horarun -H host:slots,...
-python -m hora.bench ...`` over ssh, as ``tests/test_multihost.py`` starts its jobs), and
-takes the cluster down again. It prints, per collective and size, hora's time, its bus
+``none``), runs ``hora-bench -H host:slots,...`` on them (hora's ranks through horarun's
+machinery over ssh, as ``tests/test_multihost.py`` starts its jobs; with ``--peers``,
+torch-gloo, mpi4py and Horovod's ranks on the same hosts right after, each with its own
+launcher, see src/hora/bench/peers.py), and takes the cluster down again. With peers,
+each row also shows every peer's time and busbw, hora's time over the peer's (below 1:
+hora is faster) and over the fastest peer's. It prints, per collective and size, hora's time, its bus
 bandwidth (hora-bench's busbw, computed over ranks) and the ratio of the link bound's
 time to hora's, with N counting hosts (with ``--slots 2`` the bound is what each host's
 link must carry, whatever happens inside the host; with one rank per host the ratio is
@@ -48,6 +51,7 @@ installs them). Examples::
     python benchmarks/cluster.py --hosts 2,3,4 --rate 1gbit --sizes 64M,256M --collective allreduce
     python benchmarks/cluster.py --hosts 4 --rate 10gbit,none --slots 2
     python benchmarks/cluster.py --hosts 2,3,4,6,8 --rate 1gbit --json cluster.json
+    python benchmarks/cluster.py --hosts 2,4 --rate 1gbit --peers all --horovod-python PY --sizes 4,64K,1M,64M
 """
 
 from __future__ import annotations
@@ -115,29 +119,49 @@ def _cpu_sample() -> tuple[int, int]:
 
 
 def run_one(hosts: int, rate: str | None, args: argparse.Namespace, directory: str) -> dict[str, Any]:
-    """Brings up ``hosts`` shaped hosts, runs hora-bench on them, takes them down; returns hora-bench's JSON."""
+    """Brings up ``hosts`` shaped hosts, runs hora-bench on them, takes them down; returns hora-bench's JSON.
+
+    hora-bench itself starts every backend's ranks on the hosts (``-H``): hora's through
+    horarun's machinery, and with ``--peers`` each peer's with its own launcher, one after
+    the other on the same links (see src/hora/bench/peers.py).
+
+    Raises:
+        RuntimeError: hora-bench failed (its output's end is in the message); a peer's
+            failure alone is not one: the document says why it has no results.
+    """
     congestion = None if args.congestion == "system" else args.congestion
-    cluster = Cluster(hosts, rate=rate, congestion=congestion).up()
+    # own_hostname: torch's and Horovod's gloo pick their address from the host name, which
+    # would resolve to loopback in every namespace (see scripts/netns_hosts.py).
+    cluster = Cluster(hosts, rate=rate, congestion=congestion, own_hostname=True).up()
     try:
         out = os.path.join(directory, f"n{hosts}-{rate or 'none'}.json")
         spec = ",".join(f"{host.address}:{args.slots}" for host in cluster.hosts)
-        bench = [sys.executable, "-m", "hora.bench", "--collective", args.collective, "--sizes", args.sizes,
-                 "--latency", "0", "--wait-test", "0", "--max-time", str(args.max_time),
-                 "-w", str(args.warmup), "-c", "1" if args.check else "0", "--json", out]  # fmt: skip
+        command = [sys.executable, "-m", "hora.bench", "-np", str(hosts * args.slots), "-H", spec,
+                   "--network-interfaces", "eth0", "--collective", args.collective, "--sizes", args.sizes,
+                   "--latency", "0", "--wait-test", "0", "--max-time", str(args.max_time), "--runs", str(args.runs),
+                   "-w", str(args.warmup), "-c", "1" if args.check else "0", "--timeout", str(args.timeout),
+                   "--json", out]  # fmt: skip
         if args.iters:
-            bench += ["-n", str(args.iters)]
-        command = [sys.executable, "-m", "hora.runner", "-np", str(hosts * args.slots), "-H", spec, *bench]
+            command += ["-n", str(args.iters)]
+        if args.peers:
+            command += ["--peers", args.peers]
+            if args.horovod_python:
+                command += ["--horovod-python", args.horovod_python]
         env = dict(os.environ, HORA_SSH_OPTIONS=cluster.ssh_options(), OMP_NUM_THREADS="1")
         env.setdefault("HORA_START_TIMEOUT", "60")
         load = os.getloadavg()[0]
         started, cpu = time.monotonic(), _cpu_sample()
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+        runs = 1 + len(args.peers.split(",")) if args.peers else 1
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=args.timeout * runs * args.runs + 120)  # fmt: skip
         elapsed, cpu_after = time.monotonic() - started, _cpu_sample()
-        if result.returncode != 0:
+        if result.returncode != 0 and not os.path.exists(out):
             tail = "\n".join((result.stdout + result.stderr).splitlines()[-30:])
             raise RuntimeError(f"hora-bench on {hosts} hosts failed ({result.returncode}):\n{tail}")
         with open(out, encoding="utf-8") as handle:
             document: dict[str, Any] = json.load(handle)
+        if "hora" not in document["backends"]:
+            raise RuntimeError(f"hora failed on {hosts} hosts: {document.get('skipped', {}).get('hora', '?')}")
         document["cluster"] = {
             "hosts": hosts,
             "slots": args.slots,
@@ -164,12 +188,15 @@ def bound_ratio(row: dict[str, Any], hosts: int, link: float) -> float:
 
 
 def table(document: dict[str, Any]) -> list[str]:
-    """hora's rows with busbw and the ratio to the link bound."""
+    """hora's rows with busbw and the ratio to the link bound; with peers, each peer's time and
+    busbw, hora's ratio to it, and hora's ratio to the fastest peer of each row."""
     info = document["cluster"]
     rate = info["rate"]
     link = parse_rate(rate) / 8e9 if rate else None  # GB/s
     hosts = info["hosts"]
     qdisc = info["qdisc"]
+    backends = document["backends"]
+    peers = [name for name in backends if name != "hora"]
     lines = [
         f"## {info['hosts']} hosts x {info['slots']} ranks, links {rate or 'unshaped'}"
         + (f" (B = {link:.3f} GB/s; tc {' '.join(info['tbf'])})" if link else "")
@@ -179,16 +206,54 @@ def table(document: dict[str, Any]) -> list[str]:
     if rate:
         lines.append(f"# tbf: {qdisc['sent'] / 1e6:.0f} MB sent, {qdisc['dropped']} packets dropped, "
                      f"{qdisc['overlimits']} held back")  # fmt: skip
-    lines.append(f"# {'collective':<13} {'size':>9} {'iters':>5} {'time':>10} {'busbw GB/s':>10} "
-                 f"{'ratio':>6}  link bound  #wrong")  # fmt: skip
-    for row in document["backends"]["hora"]["results"]:
+    for name, why in document.get("skipped", {}).items():
+        lines.append(f"# {name}: {why.splitlines()[0]}")
+    if peers:
+        lines.append("# ratio = hora's time / that peer's (< 1: hora is faster); best = hora's time / the fastest "
+                     "peer's; bound = the link bound's time / hora's")  # fmt: skip
+    head = f"# {'collective':<13} {'size':>9} {'iters':>5} {'time':>10} {'busbw GB/s':>10} {'bound':>6}"
+    head += "".join(f" | {name:>13} {'busbw':>6} {'ratio':>6}" for name in peers)
+    lines.append(head + (f" | {'best':>6} {'(peer)':<14} #wrong" if peers else "  link bound  #wrong"))
+    rows = {name: {(r["collective"], r["requested_bytes"]): r for r in backends[name]["results"]} for name in peers}
+    for row in backends["hora"]["results"]:
         ratio = f"{bound_ratio(row, info['hosts'], link):6.3f}" if link else f"{'-':>6}"
         wrong = "-" if row["wrong"] is None else row["wrong"]
-        lines.append(
-            f"  {row['collective']:<13} {_size(row['bytes']):>9} {row['iters']:>5} {_time(row['time_s']):>10} "
-            f"{row['busbw_gbps']:>10.3f} {ratio}  {BOUND[row['collective']]} (N = {hosts})  {wrong}"
-        )
+        line = (f"  {row['collective']:<13} {_size(row['bytes']):>9} {row['iters']:>5} {_time(row['time_s']):>10} "
+                f"{row['busbw_gbps']:>10.3f} {ratio}")  # fmt: skip
+        times = {}
+        wrongs = [row["wrong"]]
+        for name in peers:
+            theirs = rows[name].get((row["collective"], row["requested_bytes"]))
+            if theirs is None:
+                line += f" | {'n/a':>13} {'-':>6} {'-':>6}"
+                continue
+            times[name] = theirs["time_s"]
+            wrongs.append(theirs["wrong"])
+            line += f" | {_time(theirs['time_s']):>13} {theirs['busbw_gbps']:>6.3f} {row['time_s'] / theirs['time_s']:>5.2f}x"
+        if peers:
+            best = min(times, key=lambda name: times[name]) if times else None
+            line += f" | {row['time_s'] / times[best]:>5.2f}x {f'({best})':<14}" if best else f" | {'-':>6} {'':<14}"
+            # the most wrong elements of any backend (- without the check)
+            line += f" {'-' if wrongs[0] is None else max(w or 0 for w in wrongs)}"
+        else:
+            line += f"  {BOUND[row['collective']]} (N = {hosts})  {wrong}"
+        lines.append(line)
     return lines
+
+
+def ratios(document: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """hora's time over each peer's, per ``collective/bytes`` (what --json readers usually want)."""
+    backends = document["backends"]
+    hora = {(r["collective"], r["requested_bytes"]): r["time_s"] for r in backends["hora"]["results"]}
+    found: dict[str, dict[str, float]] = {}
+    for name, rep in backends.items():
+        if name == "hora":
+            continue
+        for row in rep["results"]:
+            key = (row["collective"], row["requested_bytes"])
+            if key in hora:
+                found.setdefault(f"{key[0]}/{key[1]}", {})[name] = hora[key] / row["time_s"]
+    return found
 
 
 def _size(nbytes: int) -> str:
@@ -222,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="run hora-bench's check of each size first (slows the timed 256 MiB runs here, see the "
                         "module docstring)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one hora-bench run may take")
+    parser.add_argument("--peers", help="also run hora-bench's peers on the same hosts: all, or some of "
+                        "torch-gloo,mpi4py,horovod-gloo,horovod-mpi (horovod = both)")  # fmt: skip
+    parser.add_argument("--horovod-python", help="the interpreter that has Horovod (horovodrun next to it)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="run every backend this many times, alternating; per size the median (default 1)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one backend's run may take")
     parser.add_argument("--json", help="write every run's hora-bench document, with the cluster and the machine")
     args = parser.parse_args(argv)
     try:
@@ -250,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         for rate in rates:
             for count in counts:
                 document = run_one(count, rate, args, directory)
+                document["cluster"]["ratios"] = ratios(document)
                 documents.append(document)
                 print("\n".join(table(document)), flush=True)
     if args.json:

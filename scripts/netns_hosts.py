@@ -5,6 +5,7 @@ and by hand::
 
     sudo python scripts/netns_hosts.py up 3        # prints the hosts and an ssh config, keeps running
     sudo python scripts/netns_hosts.py up 4 --rate 1gbit   # the same, each host's link shaped to 1 Gbit/s
+    sudo python scripts/netns_hosts.py up 4 --own-hostname # gloo (torch, Horovod) binds the host's address
     horarun -H 198.18.10.10:2,198.18.10.11:2 ...   # with HORA_SSH_OPTIONS="-F <printed config>"
 
 Layout (``Cluster(count, subnets)``)::
@@ -44,6 +45,15 @@ of the filter's parameters (``tbf_parameters``):
   forwards, several senders to one host at once included (a broadcast's root, alltoall),
   and a drop costs TCP a retransmission and a smaller window. With these values the
   benchmark's runs dropped nothing, or a handful of packets in tens of GB (``qdisc_stats``).
+
+Host names (``Cluster(..., own_hostname=True)``): every namespace shares this machine's
+host name, which ``/etc/hosts`` usually maps to a loopback address. With ``own_hostname``
+each host gets an ``/etc/netns/<namespace>/hosts`` (``ip netns exec``, which starts the
+host's sshd, mounts it over ``/etc/hosts``) in which that name resolves to the host's own
+address, as a real host's name resolves to its address. Libraries that pick their
+address from the host name need it: torch's gloo without ``GLOO_SOCKET_IFNAME``, and
+Horovod 0.28.1's gloo process-set contexts, which ignore ``HOROVOD_GLOO_IFACE`` and would
+bind 127.0.0.1 (its cross-host jobs then fail with "connect [127.0.0.1]: Connection refused").
 
 TCP congestion control (``Cluster(..., congestion="cubic,reno")``, ``--congestion``): each
 host namespace may use its own (``net.ipv4.tcp_congestion_control``); the first of the
@@ -160,6 +170,19 @@ def _delete_namespace(name: str) -> None:
         except ProcessLookupError:
             pass
     run(["ip", "netns", "del", name], check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+
+
+NETNS_ETC = "/etc/netns"  # ip netns exec mounts NETNS_ETC/<namespace>/<file> over /etc/<file>
+
+
+def _write_hosts_file(namespace: str, address: str) -> None:
+    """An ``/etc/hosts`` for ``namespace`` in which this machine's host name resolves to ``address``."""
+    directory = os.path.join(NETNS_ETC, namespace)
+    os.makedirs(directory, exist_ok=True)
+    names = " ".join(name for name in dict.fromkeys([socket.gethostname(), socket.getfqdn()]) if name != "localhost")
+    with open(os.path.join(directory, "hosts"), "w") as handle:
+        handle.write(f"127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n{address} {names}\n")
 
 
 _RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)", re.IGNORECASE)
@@ -235,18 +258,24 @@ class Cluster:
         congestion: TCP congestion control for the hosts: the first of these comma-separated
             names the kernel accepts in a host's namespace (``cubic,reno``); None keeps the
             machine's default.
+        own_hostname: inside each host, this machine's host name resolves to the host's
+            own address (see the module docstring).
 
     Raises:
         ValueError: ``rate`` is not a rate ``tc`` takes.
     """
 
-    def __init__(self, count: int, subnets: int = 1, rate: str | None = None, congestion: str | None = None) -> None:
+    def __init__(
+        self, count: int, subnets: int = 1, rate: str | None = None, congestion: str | None = None,
+        own_hostname: bool = False,
+    ) -> None:  # fmt: skip
         if rate is not None:
             parse_rate(rate)
         self.count = count
         self.subnets = subnets
         self.rate = rate
         self.congestion = congestion
+        self.own_hostname = own_hostname
         self.congestion_used = ""  # what the hosts run, once up
         self.tag = f"{PREFIX}{os.getpid()}{chr(ord('a') + random.randrange(26))}"
         self.switch = f"{self.tag}sw"
@@ -309,6 +338,8 @@ class Cluster:
             addresses.append(address)
         run(["ip", "route", "add", "default", "via", f"{NET}.{third}.1"], namespace=namespace)
         self._set_congestion(namespace)
+        if self.own_hostname:
+            _write_hosts_file(namespace, addresses[0])
         host_dir = os.path.join(self.dir, f"host{index}")
         os.makedirs(host_dir)
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(host_dir, "host_key")])
@@ -467,9 +498,12 @@ class Cluster:
 
 def main(argv: Sequence[str]) -> int:
     usage = (
-        "usage: netns_hosts.py up COUNT [--rate RATE] [--congestion NAMES]  (RATE as tc takes it: 1gbit, 10gbit; "
-        "NAMES: TCP congestion control, the first the kernel accepts, e.g. cubic,reno; Ctrl-C removes the hosts)"
+        "usage: netns_hosts.py up COUNT [--rate RATE] [--congestion NAMES] [--own-hostname]  (RATE as tc takes it: "
+        "1gbit, 10gbit; NAMES: TCP congestion control, the first the kernel accepts, e.g. cubic,reno; "
+        "--own-hostname: this machine's name resolves to each host's own address there; Ctrl-C removes the hosts)"
     )
+    own_hostname = "--own-hostname" in argv
+    argv = [word for word in argv if word != "--own-hostname"]
     options = dict(zip(argv[2::2], argv[3::2]))
     if (len(argv) % 2 or len(argv) < 2 or argv[0] != "up" or not argv[1].isdigit()
             or not set(options) <= {"--rate", "--congestion"}):  # fmt: skip
@@ -477,7 +511,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     rate = options.get("--rate")
     try:
-        cluster = Cluster(int(argv[1]), rate=rate, congestion=options.get("--congestion"))
+        cluster = Cluster(int(argv[1]), rate=rate, congestion=options.get("--congestion"), own_hostname=own_hostname)
     except ValueError as exc:
         print(f"netns_hosts.py: {exc}", file=sys.stderr)
         return 2

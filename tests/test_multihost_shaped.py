@@ -1,6 +1,10 @@
 """Collectives across hosts on shaped links: network-namespace hosts (scripts/netns_hosts.py) whose
 links ``tc ... tbf`` limits to 1 Gbit/s each way, as benchmarks/cluster.py measures them.
 
+Also hora-bench's peers on the same hosts (``hora-bench -H ... --peers torch-gloo,mpi4py``:
+checked results, nothing left running on the hosts afterwards) and benchmarks/training.py's
+``--cluster`` mode (one tiny round of hora and DDP on 2 hosts it brings up itself).
+
 Timing-free: every job checks results only. An 8 MiB tensor takes ~0.1 s at 1 Gbit/s,
 long enough that the filters hold packets back (TCP meets a link slower than the machine),
 which the small tensors alone would not. Needs root (network namespaces) and ``tc``.
@@ -116,3 +120,55 @@ def test_collectives_on_shaped_links(cluster: Cluster, tmp_path: Path, hosts: in
     assert all(not data["wrong"] for data in found.values()), [data["wrong"] for data in found.values()]
     stats = cluster.qdisc_stats()
     assert stats["overlimits"] > held, stats  # the links, not the machine, set the pace at some point
+
+
+def _leftovers(cluster: Cluster) -> list[str]:
+    """Processes other than sshd still running on any host."""
+    return [line for host in cluster.hosts for line in cluster.processes(host)]
+
+
+def test_bench_peers_across_hosts(cluster: Cluster, tmp_path: Path) -> None:
+    """hora-bench -H runs hora, torch-gloo and mpi4py on 2 shaped hosts with checked results, and leaves
+    nothing running on the hosts."""
+    pytest.importorskip("torch")
+    pytest.importorskip("mpi4py")
+    spec = ",".join(f"{host.address}:1" for host in cluster.hosts[:2])
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [PY, "-m", "hora.bench", "-H", spec, "--network-interfaces", "eth0", "--peers", "torch-gloo,mpi4py",
+         "--collective", "allreduce,allgather,broadcast", "--sizes", "4,1M", "-c", "1", "-n", "3", "-w", "1",
+         "--latency", "0", "--wait-test", "0", "--timeout", "120", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, HORA_SSH_OPTIONS=cluster.ssh_options(), HORA_START_TIMEOUT="60"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert document["world_size"] == 2
+    assert set(document["backends"]) == {"hora", "torch-gloo", "mpi4py"}, document.get("skipped")
+    for name, backend in document["backends"].items():
+        rows = {(row["collective"], row["requested_bytes"]): row["wrong"] for row in backend["results"]}
+        assert set(rows) == {(c, s) for c in ("allreduce", "allgather", "broadcast") for s in (4, 1 << 20)}, name
+        assert all(wrong == 0 for wrong in rows.values()), (name, rows)
+    assert "ratio = hora's time" in result.stdout  # the comparison tables
+    assert not _leftovers(cluster)
+
+
+def test_training_cluster_mode() -> None:
+    """benchmarks/training.py --cluster brings up 2 hosts, runs one tiny round of hora and DDP with one rank per
+    host, and takes them down."""
+    pytest.importorskip("torch")
+    before = run(["ip", "netns", "list"]).stdout
+    result = subprocess.run(
+        [PY, str(ROOT / "benchmarks" / "training.py"), "--cluster", "2", "--rate", RATE, "--engines", "hora,ddp",
+         "--model", "cnn", "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+         "--num-iters", "1", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, HORA_START_TIMEOUT="60"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    results = json.loads(line.removeprefix("RESULTS "))
+    assert results["ranks"] == 2
+    assert set(results["medians"]) == {"hora", "ddp"} and all(v > 0 for v in results["medians"].values())
+    assert "on 2 emulated hosts" in result.stdout
+    assert run(["ip", "netns", "list"]).stdout == before  # the hosts are gone

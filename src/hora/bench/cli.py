@@ -5,7 +5,9 @@ the time of one collective, its algorithm bandwidth and its bus bandwidth; start
 a launcher instead (``horarun -np 2 hora-bench``, or ``mpirun``), it runs in the ranks it
 was started as and rank 0 reports. ``--peers`` then runs torch.distributed (gloo), mpi4py
 on Open MPI and Horovod (gloo and MPI) on the same sizes, each with its own launcher,
-and prints each one's time and hora's ratio to it. See docs/benchmarking.md.
+and prints each one's time and hora's ratio to it. ``-H host:slots,...`` runs every
+backend's ranks on those hosts over ssh, as horarun does (see ``hora.bench.peers``).
+See docs/benchmarking.md.
 
 Exit codes: 0 when every backend ran; 1 when hora or a peer failed (the others still
 report); 2 for a usage error; 130 when interrupted.
@@ -22,6 +24,7 @@ import signal
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
@@ -29,10 +32,13 @@ from typing import Any
 from hora.bench import plot, report
 from hora.bench.launch import BenchError, read_result, run_hora, run_processes
 from hora.bench.load import ForeignLoad, busy_share, wait_idle
-from hora.bench.peers import PEERS, Peer, detect, parse_peers
+from hora.bench.peers import MARKER, PEERS, Hosts, Peer, detect, parse_peers, sweep
 from hora.bench.plan import Plan, parse_collectives, parse_size, parse_sizes, size_range
 from hora.bench.worker import COLLECTIVES, DTYPES, OPS
 from hora.runner.arguments import USAGE_ERROR, Parser
+from hora.runner.hosts import SlotInfo, parse_hosts
+from hora.runner.hosts import plan as plan_slots
+from hora.runner.ssh import SshSettings
 from hora.version import __version__
 
 DEFAULT_TIMEOUT = 3600.0
@@ -47,7 +53,15 @@ def make_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("-v", "--version", action="version", version=f"hora {__version__}")
-    p.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="ranks to start (default 1)")
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N",
+                   help="ranks to start (default 1, or every slot of -H)")  # fmt: skip
+    p.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                   help="run hora's ranks and the peers' on these hosts, over ssh, as horarun -H does")  # fmt: skip
+    p.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT", help="ssh port on the hosts")
+    p.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE", help="ssh private key")
+    p.add_argument("--network-interfaces", dest="network_interfaces", metavar="NICS",
+                   help="the hosts' interfaces to use, comma-separated (hora's HORA_IFACE, torch's "
+                   "GLOO_SOCKET_IFNAME, mpirun's btl_tcp_if_include, horovodrun's --network-interfaces)")  # fmt: skip
     p.add_argument(
         "--collective",
         default="allreduce",
@@ -128,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         job = _in_job()
-        size = job[1] if job else (1 if args.num_proc is None else args.num_proc)
+        default = sum(spec.slots for spec in parse_hosts(args.hosts)) if args.hosts else 1
+        size = job[1] if job else (default if args.num_proc is None else args.num_proc)
         if job and args.num_proc not in (None, size):
             raise ValueError(f"-np {args.num_proc} was given, but hora-bench was started as one of {size} ranks")
         if size < 1:
@@ -141,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--timeout {args.timeout:g} is not valid: expected seconds > 0")
         plan = build_plan(args)
         plan.validate(size)
+        slots = tuple(plan_slots(size, args.hosts)) if args.hosts else ()
+        ssh = SshSettings.from_env(args.ssh_port, args.ssh_identity_file) if args.hosts else None
         chosen = parse_peers(args.peers) if args.peers else []
         if args.plot:
             plot.require()
@@ -149,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     try:
         with _signals_interrupt():
-            return _bench(args, argv, plan, size, job, chosen)
+            return _bench(args, argv, plan, size, job, chosen, slots, ssh)
     except KeyboardInterrupt:
         print("hora-bench: interrupted", file=sys.stderr)
         return 130
@@ -174,9 +191,13 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def _bench(
-    args: argparse.Namespace, argv: list[str], plan: Plan, size: int, job: tuple[int, int] | None, chosen: list[str]
-) -> int:
-    """Runs hora (here when we are its ranks, else through the launcher) and the peers; reports."""
+    args: argparse.Namespace, argv: list[str], plan: Plan, size: int, job: tuple[int, int] | None, chosen: list[str],
+    slots: tuple[SlotInfo, ...] = (), ssh: SshSettings | None = None,
+) -> int:  # fmt: skip
+    """Runs hora (here when we are its ranks, else through the launcher) and the peers; reports.
+
+    With ``-H`` (``slots`` and ``ssh`` given), every backend's ranks run on those hosts.
+    """
     runs: dict[str, list[dict[str, Any]]] = {"hora": []}
     failed: dict[str, str] = {}
     if job is not None:  # we are the ranks: run hora here, then rank 0 carries on alone
@@ -191,17 +212,20 @@ def _bench(
     for key, why in skipped.items():
         print(f"# {key} skipped: {why}", flush=True)
     directory = tempfile.mkdtemp(prefix="hora-bench-")
+    hosts = None
+    if slots and ssh is not None:
+        hosts = Hosts(args.hosts, slots, ssh, args.network_interfaces, directory)
     try:
         plan_path = os.path.join(directory, "plan.json")
         with open(plan_path, "w", encoding="utf-8") as handle:
             json.dump(plan.to_json(), handle)
         for run in range(args.runs):
             if job is None:
-                if not _run_one("hora", None, size, plan_path, directory, run, args, runs, failed):
+                if not _run_one("hora", None, size, plan_path, directory, run, args, runs, failed, hosts):
                     return 1  # _run_one said why
             for peer in peers:
                 if peer.key not in failed:
-                    _run_one(peer.key, peer, size, plan_path, directory, run, args, runs, failed)
+                    _run_one(peer.key, peer, size, plan_path, directory, run, args, runs, failed, hosts)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return _report(args, argv, plan, size, runs, {**skipped, **failed}, failed)
@@ -210,8 +234,13 @@ def _bench(
 def _run_one(
     key: str, peer: Peer | None, size: int, plan_path: str, directory: str, run: int,
     args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], failed: dict[str, str],
+    hosts: Hosts | None = None,
 ) -> bool:  # fmt: skip
-    """Runs one backend once; records its results or why it failed."""
+    """Runs one backend once; records its results or why it failed.
+
+    With ``hosts``, its ranks run on them; afterwards every process of the run still
+    alive on a host is killed (``sweep``), whether the run succeeded, failed or timed out.
+    """
     out = os.path.join(directory, f"{key}.{run}.json")
     worker_args = ["--plan", plan_path, "--out", out, "--live"]
     tag = f" (run {run + 1} of {args.runs})" if args.runs > 1 else ""
@@ -225,17 +254,29 @@ def _run_one(
         )
     foreign = ForeignLoad()
     foreign.start()
+    # Every process of this run carries the marker, so that sweep finds those left on a host.
+    marker = f"{os.getpid()}-{key}-{run}-{uuid.uuid4().hex[:8]}"
+    left = 0
     try:
         if peer is None:
-            result = run_hora(size, worker_args, out, {"OMP_NUM_THREADS": "1"}, args.timeout)
+            result = run_hora(
+                size, worker_args, out, {"OMP_NUM_THREADS": "1", MARKER: marker}, args.timeout,
+                hosts=args.hosts, ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
+                network_interfaces=args.network_interfaces,
+            )  # fmt: skip
         else:
-            commands = peer.commands(size, worker_args, os.environ)
+            commands = peer.commands(size, worker_args, {**os.environ, MARKER: marker}, hosts)
             run_processes(key, commands, os.path.join(directory, f"{key}.log"), args.timeout)
             result = read_result(out, key)
     except BenchError as exc:
         failed[key] = f"failed: {exc}"
         print(f"hora-bench: {key} failed:\n{exc}", file=sys.stderr, flush=True)
         return False
+    finally:  # also when interrupted: the hosts' processes are not ours to signal locally
+        if hosts is not None:
+            left = sweep(hosts, marker)
+    if left:  # a launcher that exits before its ranks: say so, the numbers are still rank 0's
+        print(f"# {key}: {left} process(es) of the run were still alive on the hosts after it; killed", flush=True)
     during = foreign.stop()
     if during is not None and during > BUSY_WARNING:
         print(f"# warning: other programs used {100 * during:.0f}% of the CPUs during this run", flush=True)

@@ -47,9 +47,14 @@ class _RankZeroSink(Sink):
 
 
 def run_hora(
-    num_proc: int, worker_args: Sequence[str], out_path: str, env: Mapping[str, str], timeout: float | None
-) -> dict[str, Any]:
-    """Runs ``python -m hora.bench.worker --backend hora ...`` on ``num_proc`` local ranks.
+    num_proc: int, worker_args: Sequence[str], out_path: str, env: Mapping[str, str], timeout: float | None,
+    hosts: str | None = None, ssh_port: int | None = None, ssh_identity_file: str | None = None,
+    network_interfaces: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Runs ``python -m hora.bench.worker --backend hora ...`` on ``num_proc`` ranks.
+
+    The ranks go where ``horarun -np num_proc -H hosts`` would put them (this machine
+    without ``hosts``), started by the same machinery, over ssh as horarun reaches hosts.
 
     Args:
         num_proc: the number of ranks.
@@ -57,6 +62,10 @@ def run_hora(
         out_path: where rank 0 writes its results.
         env: variables added to every rank's environment.
         timeout: seconds after which the job is stopped; None waits forever.
+        hosts: horarun's ``-H/--hosts`` value, or None.
+        ssh_port: horarun's ``-p/--ssh-port``, or None.
+        ssh_identity_file: horarun's ``-i/--ssh-identity-file``, or None.
+        network_interfaces: horarun's ``--network-interfaces``, or None.
 
     Returns:
         Rank 0's results.
@@ -67,7 +76,11 @@ def run_hora(
     settings = LaunchSettings(
         command=(sys.executable, "-m", "hora.bench.worker", "--backend", "hora", *worker_args),
         num_proc=num_proc,
+        hosts=hosts,
         env=env,
+        ssh_port=ssh_port,
+        ssh_identity_file=ssh_identity_file,
+        network_interfaces=network_interfaces,
     )
     slots = prepare(settings)
     result = Job(settings, slots, _RankZeroSink(sys.stdout), Sink(sys.stderr), os.environ).run(
