@@ -277,7 +277,9 @@ def _run_one(
             left = sweep(hosts, marker)
     if left:  # a launcher that exits before its ranks: say so, the numbers are still rank 0's
         print(f"# {key}: {left} process(es) of the run were still alive on the hosts after it; killed", flush=True)
-    during = foreign.stop()
+    # With -H the ranks are children of the hosts' sshd, not of hora-bench: their CPU time
+    # cannot be told from other programs', so the share during the run is not measured.
+    during = foreign.stop() if hosts is None else None
     if during is not None and during > BUSY_WARNING:
         print(f"# warning: other programs used {100 * during:.0f}% of the CPUs during this run", flush=True)
     result["background_cpu_share"] = busy
