@@ -179,9 +179,6 @@ def _run_across(
     engine: str, forwarded: list[str], horovod_python: str | None, hosts: Any, env: dict[str, str]
 ) -> dict[str, float]:
     """``run`` across hosts: horarun -H for hora, ssh per rank for DDP, horovodrun -H on the first host."""
-    from hora.bench.peers import forwarded as forwarded_env
-    from hora.runner.hosts import is_local_host
-
     size = len(hosts.slots)
     if engine == "hora":
         command = [sys.executable, "-m", "hora.runner", "-np", str(size), "-H", hosts.spec,
@@ -191,34 +188,12 @@ def _run_across(
         env.setdefault("HORA_START_TIMEOUT", "60")
         commands = [(command, env)]
     elif engine == "ddp":
-        command = [sys.executable, __file__, "--worker", "ddp", *forwarded]
-        port = str(_free_port())
-        commands = []
-        for slot in hosts.slots:
-            rank_env = {
-                "MASTER_ADDR": hosts.slots[0].hostname, "MASTER_PORT": port, "RANK": str(slot.rank),
-                "WORLD_SIZE": str(size), "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
-            }  # fmt: skip
-            if hosts.interfaces:
-                rank_env["GLOO_SOCKET_IFNAME"] = hosts.interfaces
-            if is_local_host(slot.hostname):
-                commands.append((command, {**env, **rank_env}))
-            else:
-                commands.append((hosts.remote(slot.hostname, command, {**forwarded_env(env), **rank_env}), env))
+        commands = hosts.torch_ranks([sys.executable, __file__, "--worker", "ddp", *forwarded], env)
     else:
         assert horovod_python is not None
-        env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         horovodrun = str(Path(horovod_python).with_name("horovodrun"))
-        command = [horovodrun, "-np", str(size), "-H", hosts.spec, "--" + engine.split("-", 1)[1], "--disable-cache"]
-        if hosts.interfaces:
-            command += ["--network-interfaces", hosts.interfaces]
-        command += [horovod_python, __file__, "--worker", "horovod", *forwarded]
-        script_dir = os.path.dirname(hosts.ssh_script())  # horovodrun runs "ssh" from PATH
-        first = hosts.slots[0].hostname
-        if is_local_host(first):
-            commands = [(command, dict(env, PATH=script_dir + os.pathsep + env.get("PATH", os.defpath)))]
-        else:
-            commands = [(hosts.remote(first, command, forwarded_env(env), path_first=script_dir), env)]
+        worker = [horovod_python, __file__, "--worker", "horovod", *forwarded]
+        commands = hosts.horovodrun(horovodrun, "--" + engine.split("-", 1)[1], worker, env)
     procs = [
         subprocess.Popen(argv, env=proc_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -154,6 +154,61 @@ class Hosts:
         return self.ssh.command(host, f"exec env {' '.join(words)} {shlex.join(argv)}")
 
 
+    def torch_ranks(self, worker: Sequence[str], env: Mapping[str, str]) -> list[tuple[list[str], dict[str, str]]]:
+        """One process per slot running ``worker`` with torchrun's variables (``MASTER_ADDR``
+        the first host), over ssh unless the slot is on this machine.
+
+        Returns:
+            Each process's argv and environment.
+        """
+        port, size = str(free_port()), len(self.slots)
+        commands: list[tuple[list[str], dict[str, str]]] = []
+        for slot in self.slots:
+            rank_env = {
+                "MASTER_ADDR": self.slots[0].hostname,
+                "MASTER_PORT": port,
+                "RANK": str(slot.rank),
+                "LOCAL_RANK": str(slot.local_rank),
+                "WORLD_SIZE": str(size),
+                "LOCAL_WORLD_SIZE": str(slot.local_size),
+            }
+            if self.interfaces:
+                rank_env["GLOO_SOCKET_IFNAME"] = self.interfaces
+            if is_local_host(slot.hostname):
+                commands.append((list(worker), {**env, **rank_env}))
+            else:
+                commands.append((self.remote(slot.hostname, worker, {**forwarded(env), **rank_env}), dict(env)))
+        return commands
+
+    def horovodrun(
+        self, launcher: str, transport: str, worker: Sequence[str], env: Mapping[str, str]
+    ) -> list[tuple[list[str], dict[str, str]]]:
+        """``horovodrun -H ... --gloo|--mpi worker`` started on the first host (see the module
+        docstring), with the ssh script first in ``PATH``.
+
+        Args:
+            launcher: horovodrun's path.
+            transport: ``--gloo`` or ``--mpi``.
+            worker: the rank's program and arguments.
+            env: the environment to start from.
+
+        Returns:
+            The one process to start: its argv and environment.
+        """
+        # --disable-cache: horovodrun would otherwise skip its ssh check for an hour after a
+        # success, on host names that the next cluster reuses.
+        argv = [launcher, "-np", str(len(self.slots)), "-H", self.spec, transport, "--disable-cache"]
+        if self.interfaces:
+            argv += ["--network-interfaces", self.interfaces]
+        argv += worker
+        mpi_env = {**env, **_MPI_ENV}
+        script_dir = os.path.dirname(self.ssh_script())
+        first = self.slots[0].hostname
+        if is_local_host(first):
+            return [(argv, {**mpi_env, "PATH": script_dir + os.pathsep + mpi_env.get("PATH", os.defpath)})]
+        return [(self.remote(first, argv, forwarded(mpi_env), path_first=script_dir), mpi_env)]
+
+
 def forwarded(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``env`` a remote rank gets (see ``_FORWARDED_PREFIXES``)."""
     return {k: v for k, v in env.items() if k in _FORWARDED_NAMES or k.startswith(_FORWARDED_PREFIXES)}
@@ -247,50 +302,20 @@ class Peer:
 
     def _across(self, hosts: Hosts, worker: list[str], base: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
         """``commands`` across hosts (see the module docstring)."""
-        size = len(hosts.slots)
         if self.key == "torch-gloo":
-            port = str(free_port())
-            commands = []
-            for slot in hosts.slots:
-                rank_env = {
-                    "MASTER_ADDR": hosts.slots[0].hostname,
-                    "MASTER_PORT": port,
-                    "RANK": str(slot.rank),
-                    "LOCAL_RANK": str(slot.local_rank),
-                    "WORLD_SIZE": str(size),
-                    "LOCAL_WORLD_SIZE": str(slot.local_size),
-                }
-                if hosts.interfaces:
-                    rank_env["GLOO_SOCKET_IFNAME"] = hosts.interfaces
-                if is_local_host(slot.hostname):
-                    commands.append((worker, {**base, **rank_env}))
-                else:
-                    commands.append((hosts.remote(slot.hostname, worker, {**forwarded(base), **rank_env}), base))
-            return commands
+            return hosts.torch_ranks(worker, base)
         assert self.launcher is not None  # set by detect for every launched peer
+        if self.key == "horovod-gloo" or self.key == "horovod-mpi":
+            return hosts.horovodrun(self.launcher, "--mpi" if self.key == "horovod-mpi" else "--gloo", worker, base)
         mpi_env = {**base, **_MPI_ENV}
-        if self.key == "mpi4py":
-            mpi_env.setdefault("MPI4PY_MPIABI", "openmpi")
-            argv = [self.launcher, "-np", str(size), "-H", hosts.spec, "--oversubscribe",
-                    "--mca", "plm_rsh_agent", hosts.ssh_script()]  # fmt: skip
-            if hosts.interfaces:
-                argv += ["--mca", "btl_tcp_if_include", hosts.interfaces]
-            for name in forwarded(mpi_env):  # mpirun passes on only what -x names
-                argv += ["-x", name]
-            return [([*argv, *worker], mpi_env)]
-        transport = "--mpi" if self.key == "horovod-mpi" else "--gloo"
-        # --disable-cache: horovodrun would otherwise skip its ssh check for an hour after a
-        # success, on host names that the next cluster reuses.
-        argv = [self.launcher, "-np", str(size), "-H", hosts.spec, transport, "--disable-cache"]
+        mpi_env.setdefault("MPI4PY_MPIABI", "openmpi")
+        argv = [self.launcher, "-np", str(len(hosts.slots)), "-H", hosts.spec, "--oversubscribe",
+                "--mca", "plm_rsh_agent", hosts.ssh_script()]  # fmt: skip
         if hosts.interfaces:
-            argv += ["--network-interfaces", hosts.interfaces]
-        argv += worker
-        script_dir = os.path.dirname(hosts.ssh_script())
-        first = hosts.slots[0].hostname
-        if is_local_host(first):
-            return [(argv, {**mpi_env, "PATH": script_dir + os.pathsep + mpi_env.get("PATH", os.defpath)})]
-        return [(hosts.remote(first, argv, forwarded(mpi_env), path_first=script_dir), mpi_env)]
-
+            argv += ["--mca", "btl_tcp_if_include", hosts.interfaces]
+        for name in forwarded(mpi_env):  # mpirun passes on only what -x names
+            argv += ["-x", name]
+        return [([*argv, *worker], mpi_env)]
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
