@@ -1,4 +1,5 @@
-"""The TCP path's algorithms at every world size, in one process: ranks are threads.
+"""The TCP path's algorithms at every world size, and the shared-memory packed allreduce,
+in one process: ranks are threads.
 
 A ``ThreadChannel`` stands in for the mesh: ``exchange`` puts copies of what it sends in
 per-pair queues and takes what it receives from them, in order, as the TCP links do.
@@ -213,3 +214,91 @@ def test_pipelined_ring_allreduce_reduce_scatter_and_allgather(size: int, chunk_
         assert np.array_equal(segment, sums[offset : offset + length])
         owners = np.concatenate([contribution(r, rows)[o : o + n] for r, (o, n) in enumerate(ragged)])
         assert np.array_equal(gathered, owners)
+
+
+class ThreadGroup:
+    """One thread rank's view of in-process staging halves (``shm_ops.SharedGroup``)."""
+
+    def __init__(self, rank: int, halves: list[list[np.ndarray]], barrier: threading.Barrier) -> None:
+        self._rank, self._halves, self._barrier = rank, halves, barrier
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._halves)
+
+    @property
+    def half_bytes(self) -> int:
+        return self._halves[0][0].nbytes
+
+    def stage(self, member: int, half: int) -> np.ndarray:
+        return self._halves[member][half]
+
+    def barrier(self) -> None:
+        self._barrier.wait(timeout=10)
+
+
+def run_shared(size: int, half_bytes: int, job: Callable[[int, ThreadGroup], object]) -> list[object]:
+    """``job(rank, group)`` on ``size`` thread ranks sharing staging halves of ``half_bytes``."""
+    halves = [[np.full(half_bytes, 0xEE, dtype=np.uint8) for _ in range(2)] for _ in range(size)]
+    barrier = threading.Barrier(size)
+    return run_ranks(size, lambda rank: job(rank, ThreadGroup(rank, halves, barrier)))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [DataType.FLOAT32, DataType.INT64, DataType.BFLOAT16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_shared_memory_packed_allreduce(size: int, dtype: DataType, in_place: bool) -> None:
+    # Tensors of ragged lengths (one empty) over staging halves of 1 KiB: rounds and
+    # shares end mid-tensor. Rank 1 joined (no input for tensor 2), rank 0 drops tensor 3.
+    from hora.collectives import shm_ops
+    from hora.collectives.reduce import scale
+
+    lengths = [300, 0, 517, 64, 1000, 3]
+    storage = np.dtype(np.uint16) if dtype == DataType.BFLOAT16 else np.dtype(dtype.name.lower())
+    total = reducer(SUM, dtype)
+
+    def contribution(rank: int, index: int) -> np.ndarray:
+        values = (np.arange(lengths[index]) % 13 + rank * 3 + index).astype(np.float32)
+        if dtype == DataType.BFLOAT16:
+            return (values.view(np.uint32) >> 16).astype(np.uint16)  # small integers: exact in bfloat16
+        return values.astype(storage)
+
+    def job(rank: int, group: ThreadGroup) -> list[np.ndarray | None]:
+        inputs: list[np.ndarray | None] = [contribution(rank, i) for i in range(len(lengths))]
+        if rank == 1:
+            inputs[2] = None
+        outputs: list[np.ndarray | None] = [
+            x if in_place and x is not None else np.full(k, 99, dtype=storage) for x, k in zip(inputs, lengths)
+        ]
+        if rank == 0:
+            outputs[3] = None
+        prescale = None if dtype != DataType.FLOAT32 else (lambda piece: scale(piece, 2.0, dtype))
+        shm_ops.allreduce_packed(
+            group, inputs, outputs, lengths, storage, total, prescale, lambda piece: scale(piece, 0.5, dtype)
+        )
+        return outputs
+
+    results = run_shared(size, 1024, job)
+    factor = 1.0 if dtype == DataType.FLOAT32 else 0.5
+    for index, length in enumerate(lengths):
+        ranks = [r for r in range(size) if not (r == 1 and index == 2)]
+        want = sum(contribution(r, index).astype(np.float64) for r in ranks) if length else np.zeros(0)
+        if dtype == DataType.BFLOAT16:
+            want = sum(
+                (contribution(r, index).astype(np.uint32) << 16).view(np.float32).astype(np.float64) for r in ranks
+            ) if length else np.zeros(0)
+        for rank, outputs in enumerate(results):
+            got = outputs[index]
+            if rank == 0 and index == 3:
+                assert got is None
+                continue
+            assert got is not None
+            if dtype == DataType.BFLOAT16:
+                got = (got.astype(np.uint32) << 16).view(np.float32)
+            expected = np.trunc(want * factor) if dtype == DataType.INT64 else want * factor
+            assert np.array_equal(got.astype(np.float64), expected), f"rank {rank}, tensor {index}"
+            assert np.array_equal(outputs[index], results[size - 1][index])  # bit-identical on every rank

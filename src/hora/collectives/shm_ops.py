@@ -120,7 +120,7 @@ def allreduce_packed(
     lengths: list[int],
     dtype: np.dtype[np.generic],
     reduce: Reducer,
-    prescale: Callable[[np.ndarray], None],
+    prescale: Callable[[np.ndarray], None] | None,
     postscale: Callable[[np.ndarray], None],
 ) -> None:
     """Allreduces several tensors, packed straight into the staging halves.
@@ -141,7 +141,7 @@ def allreduce_packed(
         lengths: each tensor's element count.
         dtype: the storage type of every tensor.
         reduce: folds its second argument into its first.
-        prescale: scales a packed window in place before reducing.
+        prescale: scales a packed window in place before reducing; None for no scaling.
         postscale: scales a reduced share in place.
     """
     n, me = group.size, group.rank
@@ -158,7 +158,8 @@ def allreduce_packed(
                 stages[me][at : at + length] = 0
             else:
                 stages[me][at : at + length] = data[within : within + length]
-        prescale(stages[me])
+        if prescale is not None:
+            prescale(stages[me])
         group.barrier()
         shares = even_bounds(count, n)
         offset, length = shares[me]

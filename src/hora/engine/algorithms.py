@@ -56,7 +56,7 @@ class Collectives(Protocol):
 
     def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
                          lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
-                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+                         prescale: Callable[[np.ndarray], None] | None, postscale: Callable[[np.ndarray], None]) -> bool:
         """Allreduces several tensors without a private fusion buffer, where the transport can.
 
         Returns:
@@ -146,7 +146,7 @@ class TcpCollectives:
 
     def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
                          lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
-                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+                         prescale: Callable[[np.ndarray], None] | None, postscale: Callable[[np.ndarray], None]) -> bool:
         return False  # the ring reduces a buffer in place: the caller packs
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
@@ -209,7 +209,7 @@ class SharedCollectives(TcpCollectives):
 
     def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
                          lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
-                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+                         prescale: Callable[[np.ndarray], None] | None, postscale: Callable[[np.ndarray], None]) -> bool:
         # Small fused buffers take the short path of ``allreduce`` (no reduction shares).
         if self._group.size == 1 or sum(lengths) * dtype.itemsize <= shm_ops.SMALL_BYTES:
             return False

@@ -191,7 +191,7 @@ class Executor:
             response.sizes,
             dtype.storage,
             reduce,
-            lambda window: scale(window, response.prescale, dtype),
+            None if response.prescale == 1.0 else lambda piece: scale(piece, response.prescale, dtype),
             postscale,
         ):
             for entry in entries:

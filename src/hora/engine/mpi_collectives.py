@@ -244,7 +244,7 @@ class MpiCollectives(MpiChannel):
 
     def allreduce_packed(self, inputs: Sequence[np.ndarray | None], outputs: Sequence[np.ndarray | None],
                          lengths: list[int], dtype: np.dtype[np.generic], reduce: Reducer,
-                         prescale: Callable[[np.ndarray], None], postscale: Callable[[np.ndarray], None]) -> bool:
+                         prescale: Callable[[np.ndarray], None] | None, postscale: Callable[[np.ndarray], None]) -> bool:
         return False  # MPI reduces one buffer: the caller packs
 
     def adasum(self, buffer: np.ndarray, tensors: Bounds) -> None:
