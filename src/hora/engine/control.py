@@ -55,6 +55,10 @@ from hora.errors import ProtocolError
 from hora.transport.tcp import Link, PeerProtocolError, Watch
 
 LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
+# Seconds a rank stays stuck (every submitting thread waiting) before it tells the
+# coordinator: most waits end within microseconds, and a report per wait costs a frame
+# CPU on both ranks; the coordinator acts on it only after ``coordinator.MISMATCH_GRACE`` (1 s).
+STUCK_REPORT_DELAY = 2e-3
 
 
 class JobFailed(Exception):
@@ -142,12 +146,15 @@ class ControlPlane:
         if self.coordinator is not None and config.timeline and config.timeline != "DYNAMIC":
             self.use_timeline(Timeline(config.timeline, config.timeline_mark_cycles))
         # Mismatch detection (report_stuck): threads that submitted collectives here, by
-        # ident; threads now waiting in Engine.drive; responses received; and the count
-        # last reported stuck (-1: none since this rank last submitted).
+        # ident; threads now waiting in Engine.drive; responses received; the count last
+        # reported stuck (-1: none since this rank last submitted); and, while this rank
+        # is stuck but has not said so yet, when it will (time.monotonic()) and at which count.
         self.submitters: dict[int, threading.Thread] = {}
         self.waiting: set[int] = set()
         self.received = 0
         self.stuck_reported = -1
+        self.stuck_due: float | None = None
+        self._stuck_count = -1
         self.leaving_since: float | None = None  # set once this rank began to leave
         self.lingering_noted = False
         self.published = WaitPlan(False, None, None, bool(self.links))
@@ -202,6 +209,8 @@ class ControlPlane:
         if engine_thread and self.leaving_since is not None and not self.lingering_noted:
             notice = self.leaving_since + LINGER_NOTICE
             deadline = notice if deadline is None else min(deadline, notice)
+        if not engine_thread and self.stuck_due is not None:
+            deadline = self.stuck_due if deadline is None else min(deadline, self.stuck_due)
         lane = self.lane
         return WaitPlan(self.busy(), deadline, None if lane is None else lane.pending, bool(self.links))
 
@@ -318,6 +327,7 @@ class ControlPlane:
         if fast_lane is not None and entries:
             fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
         self.stuck_reported = -1  # a rank that submits is not stuck
+        self.stuck_due = None
         if self.coordinator is not None:
             self.coordinator.submit_many(requests, cached, self.rank)
         else:
@@ -338,24 +348,41 @@ class ControlPlane:
             self.links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self.watch)
 
     def report_stuck(self) -> None:
-        """Tells the coordinator when every thread that submits collectives here waits for
-        one, with every response sent here executed (``Coordinator.note_stuck``): it
-        fails the collectives of ranks that can never move again. Threads that ended
-        do not count; a wait with a timeout is not a wait here (it never drives)."""
+        """Tells the coordinator when every thread that submits collectives here has waited
+        for one for ``STUCK_REPORT_DELAY``, with every response sent here executed
+        (``Coordinator.note_stuck``): it fails the collectives of ranks that can never
+        move again. Threads that ended do not count; a wait with a timeout is not a wait
+        here (it never drives). Until the report is due, ``stuck_due`` says when, and a
+        caller's wait wakes then (``plan``) to call this again.
+        """
         received = self.received
-        if received == self.stuck_reported or self.responses:
+        if not self._stuck(received):
+            self.stuck_due = None
             return
-        if self.lane is not None and self.lane.pending is not None:
-            return  # the lane may still answer
-        waiting = self.waiting
-        for ident, thread in tuple(self.submitters.items()):
-            if ident not in waiting and thread.is_alive():
-                return
+        now = time.monotonic()
+        if self.stuck_due is None or self._stuck_count != received:
+            self.stuck_due, self._stuck_count = now + STUCK_REPORT_DELAY, received
+        if now < self.stuck_due:
+            return
+        self.stuck_due = None
         self.stuck_reported = received
         if self.coordinator is not None:
             self.coordinator.note_stuck(self.rank, received)
         elif 0 in self.links:
             self.links[0].send_frame(messages.STUCK, messages.encode_count(received), self.watch)
+
+    def _stuck(self, received: int) -> bool:
+        """Whether every submitting thread waits, with ``received`` responses all executed
+        and not yet reported stuck at that count."""
+        if received == self.stuck_reported or self.responses:
+            return False
+        if self.lane is not None and self.lane.pending is not None:
+            return False  # the lane may still answer
+        waiting = self.waiting
+        for ident, thread in tuple(self.submitters.items()):
+            if ident not in waiting and thread.is_alive():
+                return False
+        return True
 
     # ----- the fast lane -----
 

@@ -453,7 +453,7 @@ class Engine:
                     handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), SPIN_AFTER_WORK if spin else 0.0
                 ):
                     continue
-                control.report_stuck()  # before this thread may sleep (it is in control.waiting)
+                control.report_stuck()  # before this thread may sleep (it is in control.waiting): due now, or its wait wakes when it is
                 plan = control.plan(engine_thread=False)
                 since = time.perf_counter() if spin else float("-inf")
                 events = sleeper.poll(poller, lambda: plan, caller=True, spin_since=since, shielded=self._shielded)
