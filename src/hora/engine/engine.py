@@ -453,7 +453,9 @@ class Engine:
                     handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), SPIN_AFTER_WORK if spin else 0.0
                 ):
                     continue
-                control.report_stuck()  # before this thread may sleep (it is in control.waiting): due now, or its wait wakes when it is
+                # Before this thread may sleep (it is in control.waiting): the report is due
+                # now, or the plan's deadline wakes the wait when it is.
+                control.report_stuck()
                 plan = control.plan(engine_thread=False)
                 since = time.perf_counter() if spin else float("-inf")
                 events = sleeper.poll(poller, lambda: plan, caller=True, spin_since=since, shielded=self._shielded)
