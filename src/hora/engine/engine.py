@@ -58,7 +58,7 @@ from hora.engine.mpi_collectives import MpiWorld
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.stall import DataPhaseStall, StallInspector
-from hora.engine.waiting import PARK_SECONDS, SPIN_AFTER_WORK, Sleeper
+from hora.engine.waiting import PARK_SECONDS, Sleeper, spin_after_work
 from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
 from hora.transport.tcp import Link, Watch
@@ -184,7 +184,9 @@ class Engine:
         if domain is not None:
             domain.watch = self.control.watch
         self._choice = AlgorithmChoice(config, mesh, domain, sharing or [False] * self.size, self.control.watch, mpi)
-        self._sleeper = Sleeper(self.control.by_fd, self.queue, lane, domain, self._shield)
+        local_ranks = len(domain.ranks) if domain is not None else config.topology.local_size
+        spin = spin_after_work(local_ranks, os.cpu_count() or 1)
+        self._sleeper = Sleeper(self.control.by_fd, self.queue, lane, domain, self._shield, spin)
         self.control.on_unregister = self._sleeper.unregister
         # Held by the thread running an engine pass (the engine thread or a caller).
         self._drive = threading.Lock()
@@ -450,7 +452,7 @@ class Engine:
                     break
                 poller = sleeper.callers_poller(control.by_fd)
                 if control.settled_on_lane(
-                    handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), SPIN_AFTER_WORK if spin else 0.0
+                    handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), sleeper.spin_seconds if spin else 0.0
                 ):
                     continue
                 # Before this thread may sleep (it is in control.waiting): the report is due

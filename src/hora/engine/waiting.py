@@ -29,9 +29,20 @@ from hora.engine.queue import TensorQueue
 from hora.transport.shm import Domain
 
 # After doing work a thread polls without blocking for this long before it sleeps: the
-# next request or response usually follows within microseconds, and a kernel wake-up of a
-# sleeping thread costs tens of microseconds on small machines. Idle, nothing spins.
-SPIN_AFTER_WORK = 100e-6
+# next request or response usually follows within a few hundred microseconds, and waking
+# a sleeping thread costs tens of microseconds on small machines, on both sides (35-40 us
+# on a 2-vCPU VM, where the waker's send waits for the other vCPU's interrupt). Idle,
+# nothing spins. Measured there, a 64 KiB cached allreduce at 2 ranks: 300 us instead of
+# 100 was 11-12% faster, 1 ms no better (spin_after_work).
+SPIN_AFTER_WORK = 300e-6
+
+
+def spin_after_work(local_ranks: int, cpus: int) -> float:
+    """How long a rank's threads spin after work: ``SPIN_AFTER_WORK`` while each of the
+    machine's ranks has a CPU, none where they outnumber the CPUs (a spinning rank then
+    takes the CPU from the very peer it waits for: at 3 and 4 ranks on 2 CPUs, no spin was
+    5-10% faster than 100 us, and 300 us 12-14% slower)."""
+    return SPIN_AFTER_WORK if local_ranks <= cpus else 0.0
 # While a caller drives the engine, and this long after one did, the engine thread leaves
 # the control links to callers and sleeps on its wake-up socket alone (parked): a thread
 # waiting for a result usually comes back within microseconds, and an engine thread
@@ -50,6 +61,7 @@ class Sleeper:
             ``domain``'s socket).
         domain: the shared-memory domain, if any.
         shield: the interrupt shield (a caller's blocking poll is a safe point).
+        spin_seconds: how long to spin after work (``spin_after_work``).
     """
 
     def __init__(
@@ -59,7 +71,9 @@ class Sleeper:
         lane: FastLane | None,
         domain: Domain | None,
         shield: InterruptShield,
+        spin_seconds: float = SPIN_AFTER_WORK,
     ) -> None:
+        self.spin_seconds = spin_seconds
         self._queue = queue
         self._lane = lane
         self._domain = domain
@@ -131,7 +145,7 @@ class Sleeper:
         """Waits for a wake-up, a control frame, a submit, a lane answer, or the plan's
         deadline; reads nothing.
 
-        Spins first until ``spin_since + SPIN_AFTER_WORK`` (a caller waiting for a result,
+        Spins first until ``spin_since + spin_seconds`` (a caller waiting for a result,
         the engine thread just after it did work), when the job has peers to hear from.
 
         Args:
@@ -150,7 +164,7 @@ class Sleeper:
         events = poller.poll(0)
         if events or plan.busy or (proposal is not None and lane is not None and lane.settled_for(proposal)):
             return events
-        spin_until = spin_since + (SPIN_AFTER_WORK if plan.peers else 0.0)
+        spin_until = spin_since + (self.spin_seconds if plan.peers else 0.0)
         queue = self._queue
         while not events and not queue.has_new() and time.perf_counter() < spin_until:
             if proposal is not None and lane is not None and lane.settled_for(proposal):
