@@ -216,6 +216,36 @@ def test_pipelined_ring_allreduce_reduce_scatter_and_allgather(size: int, chunk_
         assert np.array_equal(gathered, owners)
 
 
+@pytest.mark.parametrize("size", range(1, 10))
+@pytest.mark.parametrize("chunk_bytes", [8, 56, 1 << 20])
+def test_pipelined_chain_broadcast_from_every_root(size: int, chunk_bytes: int) -> None:
+    # 1003 float64 (8024 bytes): with 8- and 56-byte chunks, many more chunks than a pipe
+    # of 1000 bytes holds; chunks of 1 MiB: one chunk, store and forward.
+    from hora.collectives import pipeline
+
+    for root in range(size):
+
+        def job(rank: int, stream: ThreadStream) -> np.ndarray:
+            buffer = np.arange(1003, dtype=np.float64) if rank == root else np.full(1003, -1.0)
+            pipeline.broadcast(stream, rank, size, buffer, root, chunk_bytes)
+            return buffer
+
+        for rank, got in enumerate(run_ring(size, job)):
+            assert np.array_equal(got, np.arange(1003, dtype=np.float64)), f"root {root}, rank {rank}"
+
+
+def test_chain_broadcast_choice() -> None:
+    from hora.collectives import pipeline
+
+    assert pipeline.broadcast_chunk_bytes(4, 64 << 20) == pipeline.BROADCAST_CHUNK_MAX
+    assert pipeline.broadcast_chunk_bytes(4, 1 << 20) == pipeline.BROADCAST_CHUNK_MIN
+    assert pipeline.broadcast_chunk_bytes(4, 8 << 20) == 256 << 10  # an eighth of a rank's share
+    assert not pipeline.chains(2, 64 << 20)  # two ranks: a direct send
+    assert pipeline.chains(3, 256 << 10)  # more than 3 chunks of 64 KiB
+    assert not pipeline.chains(8, 512 << 10)  # 8 chunks of 64 KiB: scatter + allgather is as good
+    assert pipeline.chains(8, 1 << 20)
+
+
 class ThreadGroup:
     """One thread rank's view of in-process staging halves (``shm_ops.SharedGroup``)."""
 

@@ -126,7 +126,8 @@ CASES = [
     ("allgather", 1 * MiB, "tcp", 3, 1, "tcp exchange", 1),  # the ring, segment by segment
     ("broadcast", 64 * MiB, "shm", 3, 2, "shm barrier", 5),
     ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
-    ("broadcast", 16 * MiB, "tcp", 3, 1, "tcp exchange", 2),  # scatter, then the ring allgather
+    ("broadcast", 16 * MiB, "tcp", 3, 0, "ring send", 10),  # the chain along the ring: rank 0 forwards
+    ("broadcast", 256 << 10, "tcp", 4, 1, "tcp exchange", 2),  # scatter, then the ring allgather
     ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
     ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
     ("reducescatter", 16 * MiB, "shm", 3, 1, "shm barrier", 3),

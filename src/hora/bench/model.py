@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from hora.collectives import pipeline
 from hora.engine.algorithms import DOUBLING_MAX_BYTES, SCATTER_BROADCAST_MIN_BYTES
 
 Cost = tuple[float, float]
@@ -101,6 +102,16 @@ def scatter_allgather_broadcast(n: int, size: float) -> Cost:
     return (n, 2 * (n - 1) / n * size) if n > 1 else (0, 0)
 
 
+def chain_broadcast(n: int, size: float) -> Cost:
+    """Along the ring as a pipelined chain of chunks (``pipeline.broadcast``): the first
+    chunk takes n-1 hops, every link carries the buffer once, and the last rank is n-2
+    chunks behind the root."""
+    if n <= 1:
+        return (0, 0)
+    chunk = min(size, pipeline.broadcast_chunk_bytes(n, int(size)))
+    return (n - 1, size + (n - 2) * chunk)
+
+
 def hora_allreduce_flat(n: int, size: float) -> Cost:
     """What hora's TCP path runs for one rank per host (``TcpCollectives.allreduce``)."""
     return doubling_allreduce(n, size) if size <= DOUBLING_MAX_BYTES else ring_allreduce(n, size)
@@ -109,7 +120,7 @@ def hora_allreduce_flat(n: int, size: float) -> Cost:
 def hora_broadcast(n: int, size: float) -> Cost:
     """What hora's TCP path runs for broadcast (``TcpCollectives.broadcast``)."""
     if n > 2 and size >= SCATTER_BROADCAST_MIN_BYTES:
-        return scatter_allgather_broadcast(n, size)
+        return chain_broadcast(n, size) if pipeline.chains(n, int(size)) else scatter_allgather_broadcast(n, size)
     return direct_broadcast(n, size)
 
 

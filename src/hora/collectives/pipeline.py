@@ -1,4 +1,4 @@
-"""The pipelined ring: allreduce, reduce-scatter and allgather as one stream of chunks.
+"""The pipelined ring: allreduce, reduce-scatter, allgather and broadcast as streams of chunks.
 
 The plain ring runs ``2(n-1)`` steps, each a whole-segment transfer followed by a
 whole-segment reduction. Here every segment is cut into chunks and each rank streams
@@ -23,6 +23,14 @@ Stream order: every rank queues all chunks of its first send at once, and every 
 chunk when its predecessor step's chunk arrives; arrivals are processed in order, so
 each rank's stream is step-major and chunk-ordered, and the receiver knows which chunk
 comes next without any header.
+
+Broadcast is a chain along the ring: the root streams its chunks to its right
+neighbour, every other rank forwards each chunk to its right as soon as it has it, and
+the root's left neighbour ends the chain. Every link carries the buffer once, so the
+last rank has it ``(n-2)`` chunks' time after the root has sent it: ``(n-2) c / S`` more
+than the link bound ``S / B``, against ``(n-2) / n`` more for a scatter then a ring
+allgather (``pointwise.scatter_allgather_broadcast``), and ``n - 2`` more for the root
+sending to every rank itself.
 """
 
 from __future__ import annotations
@@ -36,6 +44,23 @@ from hora.collectives.reduce import Reducer
 from hora.collectives.ring import Bounds, even_bounds
 
 CHUNK_BYTES = 1 << 20
+# The chain broadcast's chunks: an eighth of each rank's share of the buffer, so the
+# chain fills in (n-2)/8n of the transfer, within these bounds (below, Python's work per
+# chunk outweighs the link's time for it on fast links).
+BROADCAST_CHUNK_MIN = 64 * 1024
+BROADCAST_CHUNK_MAX = 512 * 1024
+
+
+def broadcast_chunk_bytes(size: int, nbytes: int) -> int:
+    """The chain broadcast's chunk size for ``nbytes`` among ``size`` ranks."""
+    return min(BROADCAST_CHUNK_MAX, max(BROADCAST_CHUNK_MIN, nbytes // (8 * size)))
+
+
+def chains(size: int, nbytes: int) -> bool:
+    """Whether the chain broadcast beats a scatter then a ring allgather: ``(n-2) c``
+    against ``(n-2) S / n`` bytes of delay, so when the buffer holds more than ``n`` chunks
+    (the two are alike for two ranks, where a direct send is simplest)."""
+    return size > 2 and nbytes > size * broadcast_chunk_bytes(size, nbytes)
 
 
 class RingStream(Protocol):
@@ -53,6 +78,63 @@ class RingStream(Protocol):
 
     def wait(self, sending: bool, receiving: bool) -> None:
         """Blocks until the socket can send (if ``sending``) or has data (if ``receiving``)."""
+
+
+def broadcast(
+    stream: RingStream, rank: int, size: int, buffer: np.ndarray, root: int, chunk_bytes: int = CHUNK_BYTES
+) -> None:
+    """Copies ``buffer`` from ``root`` to every rank, as a chain along the ring (see the module).
+
+    Args:
+        buffer: a flat contiguous array, the same length on every rank; the root's data on
+            entry there, filled on return everywhere.
+        root: the rank whose data everyone gets.
+        stream, rank, size, chunk_bytes: as ``allreduce``.
+    """
+    n = size
+    if n == 1 or buffer.size == 0:
+        return
+    raw = buffer.view(np.uint8)
+    chunks = [raw[start : start + chunk_bytes].data for start in range(0, raw.size, chunk_bytes)]
+    position = (rank - root) % n  # along the chain: the root 0, its left neighbour n - 1
+    sends: deque[memoryview] = deque(chunks if position == 0 else ())
+    receives: deque[memoryview] = deque(chunks if position > 0 else ())
+    forwards = position < n - 1
+    sending: memoryview | None = None
+    incoming: memoryview | None = None
+    got = 0
+    while receives or incoming is not None or sends or sending is not None:
+        sending, progressed = _send_ready(stream, sending, sends)
+        if incoming is None and receives:
+            incoming, got = receives.popleft(), 0
+        if incoming is not None:
+            received = stream.recv_into(incoming[got:])
+            got += received
+            progressed = progressed or received > 0
+            if got == len(incoming):
+                if forwards:
+                    sends.append(incoming)
+                incoming = None
+        if not progressed:
+            stream.wait(sending is not None or bool(sends), incoming is not None)
+
+
+def _send_ready(stream: RingStream, sending: memoryview | None, sends: deque[memoryview]) -> tuple[memoryview | None, bool]:
+    """Sends what the socket takes now, from ``sending`` (a chunk under way) then ``sends``.
+
+    Returns:
+        The chunk still under way (None: none), and whether any byte went.
+    """
+    progressed = False
+    while sending is not None or sends:
+        if sending is None:
+            sending = sends.popleft()
+        done = stream.send(sending)
+        if done == 0:
+            break
+        progressed = True
+        sending = sending[done:] if done < len(sending) else None
+    return sending, progressed
 
 
 def _chunks(offset: int, length: int, step: int) -> list[tuple[int, int]]:
@@ -145,16 +227,7 @@ def _run(
     target = memoryview(b"")
     got = 0
     while receives or incoming is not None or sends or sending is not None:
-        progressed = False
-        # Send what the socket takes now.
-        while sending is not None or sends:
-            if sending is None:
-                sending = sends.popleft()
-            done = stream.send(sending)
-            if done == 0:
-                break
-            progressed = True
-            sending = sending[done:] if done < len(sending) else None
+        sending, progressed = _send_ready(stream, sending, sends)
         # Receive what has arrived, one chunk at a time, acting on each as it completes.
         if incoming is None and receives:
             incoming = receives.popleft()

@@ -26,7 +26,8 @@ from hora.collectives.ring import Bounds
 DOUBLING_MAX_BYTES = 64 * 1024
 # Broadcasts from this size (with more than two ranks) scatter, then allgather around the
 # ring: every link carries ~2(n-1)/n of the buffer, instead of the root's link n - 1
-# copies, for n more steps of latency.
+# copies, for n more steps of latency; larger ones still (``pipeline.chains``) go along
+# the ring as a pipelined chain, every link carrying the buffer once.
 SCATTER_BROADCAST_MIN_BYTES = 256 * 1024
 
 
@@ -97,8 +98,9 @@ class TcpCollectives:
     Allreduces, reduce-scatters and allgathers larger than one pipeline chunk per rank
     use the pipelined ring; small allreduces (``DOUBLING_MAX_BYTES``) recursive doubling,
     which takes fewer steps; everything in between the plain ring, which has less
-    bookkeeping per byte. Large broadcasts to
-    more than two ranks scatter and allgather (``SCATTER_BROADCAST_MIN_BYTES``).
+    bookkeeping per byte. Broadcasts to more than two ranks from
+    ``SCATTER_BROADCAST_MIN_BYTES`` scatter and allgather, and larger ones
+    (``pipeline.chains``) stream along the ring as a chain.
 
     Args:
         channel: the set's channel.
@@ -174,7 +176,11 @@ class TcpCollectives:
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
         if self.size > 2 and buffer.nbytes >= SCATTER_BROADCAST_MIN_BYTES:
-            pointwise.scatter_allgather_broadcast(self._channel, buffer, root)
+            if pipeline.chains(self.size, buffer.nbytes):
+                chunk = pipeline.broadcast_chunk_bytes(self.size, buffer.nbytes)
+                pipeline.broadcast(self._channel.ring_stream(), self.rank, self.size, buffer, root, chunk)
+            else:
+                pointwise.scatter_allgather_broadcast(self._channel, buffer, root)
         else:
             pointwise.broadcast(self._channel, buffer, root)
 
