@@ -56,8 +56,9 @@ from hora.transport.tcp import Link, PeerProtocolError, Watch
 
 LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
 # Seconds a rank stays stuck (every submitting thread waiting) before it tells the
-# coordinator: most waits end within microseconds, and a report per wait costs a frame
-# CPU on both ranks; the coordinator acts on it only after ``coordinator.MISMATCH_GRACE`` (1 s).
+# coordinator: most waits end within a millisecond, and a report per wait costs a frame,
+# and the CPU to send and read it, on both ranks; the coordinator acts on it only after
+# ``coordinator.MISMATCH_GRACE`` (1 s).
 STUCK_REPORT_DELAY = 2e-3
 
 

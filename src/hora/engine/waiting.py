@@ -31,9 +31,8 @@ from hora.transport.shm import Domain
 # After doing work a thread polls without blocking for this long before it sleeps: the
 # next request or response usually follows within a few hundred microseconds, and waking
 # a sleeping thread costs tens of microseconds on small machines, on both sides (35-40 us
-# on a 2-vCPU VM, where the waker's send waits for the other vCPU's interrupt). Idle,
-# nothing spins. Measured there, a 64 KiB cached allreduce at 2 ranks: 300 us instead of
-# 100 was 11-12% faster, 1 ms no better (spin_after_work).
+# on a 2-vCPU VM). Idle, nothing spins. Measured there, a 64 KiB cached allreduce at 2
+# ranks: 300 us instead of 100 was 9-12% faster, 1 ms no better (spin_after_work).
 SPIN_AFTER_WORK = 300e-6
 
 
@@ -43,6 +42,8 @@ def spin_after_work(local_ranks: int, cpus: int) -> float:
     takes the CPU from the very peer it waits for: at 3 and 4 ranks on 2 CPUs, no spin was
     5-10% faster than 100 us, and 300 us 12-14% slower)."""
     return SPIN_AFTER_WORK if local_ranks <= cpus else 0.0
+
+
 # While a caller drives the engine, and this long after one did, the engine thread leaves
 # the control links to callers and sleeps on its wake-up socket alone (parked): a thread
 # waiting for a result usually comes back within microseconds, and an engine thread
