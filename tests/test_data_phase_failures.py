@@ -179,10 +179,14 @@ def test_a_rank_killed_mid_hierarchical_allreduce_fails_every_survivor(victim, p
     check_survivors(results, victim)
 
 
-FREEZES = [("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5), ("allgather", 16 * MiB, "tcp", 3, 2, "ring send", 5)]
+FREEZES = [
+    ("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5),
+    ("allgather", 16 * MiB, "tcp", 3, 2, "ring send", 5),
+    ("broadcast", 16 * MiB, "tcp", 3, 0, "ring send", 5),  # mid-chain: the root and the last rank wait for it
+]
 
 
-@pytest.mark.parametrize("op, nbytes, transport, size, victim, point, after", FREEZES, ids=["shm", "tcp"])
+@pytest.mark.parametrize("op, nbytes, transport, size, victim, point, after", FREEZES, ids=["shm", "tcp", "chain"])
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_mid_collective_is_reported_then_ends_the_job(op, nbytes, transport, size, victim, point, after):
     env = {
