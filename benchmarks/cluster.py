@@ -52,6 +52,7 @@ installs them). Examples::
     python benchmarks/cluster.py --hosts 4 --rate 10gbit,none --slots 2
     python benchmarks/cluster.py --hosts 2,3,4,6,8 --rate 1gbit --json cluster.json
     python benchmarks/cluster.py --hosts 2,4 --rate 1gbit --peers all --horovod-python PY --sizes 4,64K,1M,64M
+    python benchmarks/cluster.py --hosts 2,4,8 --peers torch-gloo --plot peers   # peers-2x1-1gbit.png, ...
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hora.bench import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -118,6 +121,12 @@ def _cpu_sample() -> tuple[int, int]:
     return sum(values), values[3] + values[4]
 
 
+def plot_path(prefix: str, hosts: int, slots: int, rate: str | None) -> str:
+    """The image ``--plot PREFIX`` draws for one run: ``PREFIX-4x1-1gbit.png`` (hosts x slots)."""
+    stem = prefix.removesuffix(".png")
+    return f"{stem}-{hosts}x{slots}-{rate or 'none'}.png"
+
+
 def run_one(hosts: int, rate: str | None, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     """Brings up ``hosts`` shaped hosts, runs hora-bench on them, takes them down; returns hora-bench's JSON.
 
@@ -143,6 +152,8 @@ def run_one(hosts: int, rate: str | None, args: argparse.Namespace, directory: s
                    "--json", out]  # fmt: skip
         if args.iters:
             command += ["-n", str(args.iters)]
+        if args.plot:
+            command += ["--plot", plot_path(args.plot, hosts, args.slots, rate)]
         if args.peers:
             command += ["--peers", args.peers]
             if args.horovod_python:
@@ -294,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every backend this many times, alternating; per size the median (default 1)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one backend's run may take")
     parser.add_argument("--json", help="write every run's hora-bench document, with the cluster and the machine")
+    parser.add_argument("--plot", metavar="PREFIX",
+                        help="draw each run's time and busbw against size, every backend (hora-bench --plot): "
+                             "PREFIX-<hosts>x<slots>-<rate>.png (needs matplotlib)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         counts = [int(word) for word in args.hosts.split(",")]
@@ -304,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(args.collective.split(",")) - set(COLLECTIVES)
         if unknown or any(count < 2 for count in counts):
             raise ValueError(f"expected --hosts of at least 2 and --collective among {','.join(COLLECTIVES)}")
-    except ValueError as exc:
+        if args.plot:
+            plot.require()
+    except (ValueError, plot.PlotUnavailable) as exc:
         print(f"cluster.py: {exc}", file=sys.stderr)
         return 2
     if os.geteuid() != 0:

@@ -172,3 +172,26 @@ def test_training_cluster_mode() -> None:
     assert set(results["medians"]) == {"hora", "ddp"} and all(v > 0 for v in results["medians"].values())
     assert "on 2 emulated hosts" in result.stdout
     assert run(["ip", "netns", "list"]).stdout == before  # the hosts are gone
+
+
+def test_cluster_benchmark_reports_and_plots(tmp_path: Path) -> None:
+    """benchmarks/cluster.py brings up 2 shaped hosts, runs hora-bench on them with torch gloo beside hora,
+    prints the ratios, writes its JSON and one plot per run, and takes the hosts down."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    before = run(["ip", "netns", "list"]).stdout
+    out = tmp_path / "cluster.json"
+    result = subprocess.run(
+        [PY, str(ROOT / "benchmarks" / "cluster.py"), "--hosts", "2", "--rate", "1gbit", "--collective", "broadcast",
+         "--sizes", "4,64K", "-n", "2", "-w", "1", "--max-time", "1", "--peers", "torch-gloo", "--timeout", "120",
+         "--json", str(out), "--plot", str(tmp_path / "peers")],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ratio = hora's time" in result.stdout and "(torch-gloo)" in result.stdout  # the comparison table
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["cluster"]["hosts"] for r in runs] == [2]
+    assert set(runs[0]["backends"]) == {"hora", "torch-gloo"}, runs[0].get("skipped")
+    image = tmp_path / "peers-2x1-1gbit.png"
+    assert image.stat().st_size > 1000 and image.read_bytes()[:4] == b"\x89PNG"
+    assert run(["ip", "netns", "list"]).stdout == before  # the hosts are gone
