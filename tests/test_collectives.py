@@ -332,6 +332,9 @@ def hierarchical_job() -> dict:
         if got.shape != want.shape or not np.array_equal(got, want):
             problems.append(f"allgather {label}: shape {got.shape}, want {want.shape}")
     hvd.broadcast(np.zeros(3), root_rank=n - 1, name="other")  # other collectives: the flat ring
+    for root in (0, n - 1):  # large: the chain along the flat ring, some of its hops within a host
+        got = hvd.broadcast(np.arange(300_001, dtype=np.float64) + me, root_rank=root, name=f"chain{root}")
+        _compare(f"chain from {root}", got, np.arange(300_001, dtype=np.float64) + root, np.dtype(np.float64), problems)
     hvd.shutdown()
     return {"kind": kind, "paths": paths, "problems": problems}
 
