@@ -153,7 +153,6 @@ class Hosts:
             words.insert(0, f'PATH={shlex.quote(path_first)}:"$PATH"')
         return self.ssh.command(host, f"exec env {' '.join(words)} {shlex.join(argv)}")
 
-
     def torch_ranks(self, worker: Sequence[str], env: Mapping[str, str]) -> list[tuple[list[str], dict[str, str]]]:
         """One process per slot running ``worker`` with torchrun's variables (``MASTER_ADDR``
         the first host), over ssh unless the slot is on this machine.
@@ -305,7 +304,7 @@ class Peer:
         if self.key == "torch-gloo":
             return hosts.torch_ranks(worker, base)
         assert self.launcher is not None  # set by detect for every launched peer
-        if self.key == "horovod-gloo" or self.key == "horovod-mpi":
+        if self.key in ("horovod-gloo", "horovod-mpi"):
             return hosts.horovodrun(self.launcher, "--mpi" if self.key == "horovod-mpi" else "--gloo", worker, base)
         mpi_env = {**base, **_MPI_ENV}
         mpi_env.setdefault("MPI4PY_MPIABI", "openmpi")
@@ -316,6 +315,7 @@ class Peer:
         for name in forwarded(mpi_env):  # mpirun passes on only what -x names
             argv += ["-x", name]
         return [([*argv, *worker], mpi_env)]
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

@@ -72,7 +72,7 @@ class Sleeper:
         lane: FastLane | None,
         domain: Domain | None,
         shield: InterruptShield,
-        spin_seconds: float = SPIN_AFTER_WORK,
+        spin_seconds: float,
     ) -> None:
         self.spin_seconds = spin_seconds
         self._queue = queue
