@@ -182,7 +182,10 @@ def test_a_rank_killed_mid_hierarchical_allreduce_fails_every_survivor(victim, p
 FREEZES = [
     ("allreduce", 64 * MiB, "shm", 3, 1, "shm barrier", 5),
     ("allgather", 16 * MiB, "tcp", 3, 2, "ring send", 5),
-    ("broadcast", 16 * MiB, "tcp", 3, 0, "ring send", 5),  # mid-chain: the root and the last rank wait for it
+    # Mid-chain: the root and the last rank wait for it. 64 MiB, so that what the root still
+    # has to send cannot all fit in the sockets' buffers (at 16 MiB it sometimes did: the root
+    # then finished, went on to negotiate the next broadcast and waited on the frozen coordinator).
+    ("broadcast", 64 * MiB, "tcp", 3, 0, "ring send", 5),
 ]
 
 
