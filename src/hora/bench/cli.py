@@ -315,6 +315,8 @@ def _report(
         print(f"# results written to {args.json}")
     if args.plot:
         info = report.machine()
-        plot.draw(args.plot, merged, plan.to_json(), f"hora-bench, {size} ranks, {info['cpus']} CPUs ({info['hostname']})")
+        where = f" on {len(parse_hosts(args.hosts))} hosts" if args.hosts else ""
+        title = f"hora-bench, {size} ranks{where}, {info['cpus']} CPUs ({info['hostname']})"
+        plot.draw(args.plot, merged, plan.to_json(), title)
         print(f"# plot written to {args.plot}")
     return 1 if failed else 0
