@@ -14,11 +14,16 @@ def test_request_and_response_round_trip():
         Request(3, RequestType.ALLTOALL, "alltoall.x", 2, 7, (4, 5), 1, 0, 0.5, 2.0, (1, 3), "grp", 2),
         Request(0, RequestType.ALLREDUCE, "allreduce.ünïcode", shape=()),
     ]
-    assert messages.decode_requests(messages.encode_requests(requests)) == (requests, [])
-    assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7])) == (requests, [4, 0, 7])
+    assert messages.decode_requests(messages.encode_requests(requests)) == (requests, [], [])
+    assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7])) == (requests, [4, 0, 7], [])
+    riders = [b"", b"\x00\x01", b"", b"abcd", b""]
+    assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7], riders)) == (requests, [4, 0, 7], riders)
+    with pytest.raises(ProtocolError, match="2 riders for 5 tensors"):
+        messages.decode_requests(messages.encode_requests(requests, [4, 0, 7], [b"", b"x"]))
     responses = [
         Response(ResponseType.ALLREDUCE, ["a", "b"], 1, 7, 1, 0, 1.0, 0.25, [3, 4]),
         Response(ResponseType.ERROR, ["c"], error="allreduce 'c': shapes differ"),
+        Response(ResponseType.BROADCAST, ["d"], root_rank=2, data=b"\x01\x02\x03\x04"),
     ]
     assert messages.decode_responses(messages.encode_responses(responses)) == responses
     assert messages.decode_reason(messages.encode_reason("why")) == "why"

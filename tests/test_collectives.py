@@ -83,6 +83,12 @@ def allreduce_job() -> list[str]:
     with pytest.warns(DeprecationWarning):
         got = hvd.allreduce(np.ones(3) * me, average=False, name="dep")
     _compare("average=False", got, np.ones(3) * sum(range(n)), np.dtype(np.float64), problems)
+    # One grouped call across the ride budget (HORA_RIDE_BYTES, 4 KiB): the first and third
+    # tensors' data rides with the requests, the others' does not, and the results fuse apart.
+    counts = (750, 750, 50, 5000)
+    got = hvd.grouped_allreduce([np.full(c, me + 1.0, np.float32) for c in counts], op=hvd.Sum, name="straddle")
+    for count, tensor in zip(counts, got):
+        _compare(f"straddle {count}", tensor, np.full(count, n * (n + 1) / 2), np.dtype(np.float32), problems)
     try:
         hvd.allreduce(np.ones(3), average=True, op=hvd.Sum)
         problems.append("op and average together did not raise")
@@ -209,6 +215,20 @@ CASES = [(size, transport) for size in SIZES for transport in TRANSPORTS if size
 @pytest.mark.timeout(240)
 def test_collective(job, size, transport):
     results = run_ranks(size, job, timeout=200, env=TRANSPORTS[transport])
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])
+
+
+# By default small allreduces and broadcasts ride the negotiation (hora.engine.riders) and
+# no data phase runs; here the data plane moves the same small tensors itself.
+NO_RIDE_CASES = [(size, transport) for size in SIZES[1:] for transport in TRANSPORTS]
+
+
+@pytest.mark.parametrize("size, transport", NO_RIDE_CASES, ids=[f"np{s}-{t}" for s, t in NO_RIDE_CASES])
+@pytest.mark.parametrize("job", [allreduce_job, broadcast_job], ids=lambda f: f.__name__)
+@pytest.mark.timeout(240)
+def test_small_collectives_without_riders(job, size, transport):
+    results = run_ranks(size, job, timeout=200, env=TRANSPORTS[transport] | {"HORA_RIDE_BYTES": "0"})
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:20])
 

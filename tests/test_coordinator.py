@@ -1,11 +1,17 @@
-"""The coordinator's decisions, in-process: readiness, order, validation messages, fusion, join."""
+"""The coordinator's decisions, in-process: readiness, order, validation messages, fusion, join, riders."""
 
+import numpy as np
 import pytest
 
 from hora.collectives.reduce import AVERAGE, SUM, DataType
 from hora.engine.coordinator import Coordinator
+from hora.engine.executor import Executor
 from hora.engine.fusion import fuse
+from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType, Response, ResponseType
+from hora.engine.process_sets import ProcessSetTable
+from hora.engine.queue import Entry, TensorQueue
+from hora.engine.riders import riders
 
 F32 = int(DataType.FLOAT32)
 
@@ -347,3 +353,92 @@ def test_a_rank_flooding_the_coordinator_with_names_is_refused(monkeypatch):
         c.submit(req(0, f"x{i}"))
     assert len(c.take()) == 10
     c.submit_many([req(1, f"y{i}") for i in range(10)])
+
+
+# ----- riders: small collectives computed at the coordinator (hora.engine.riders) -----
+
+
+def f32(*values):
+    return np.array(values, dtype=np.float32).tobytes()
+
+
+def test_riders_allreduce_in_member_order_with_scales_and_only_when_every_member_sent_one():
+    c = Coordinator(3, fusion_threshold=1 << 20)
+    data = {rank: f32(rank + 1, 10 * rank, 0.5, -rank) for rank in range(3)}
+    for rank in (2, 0, 1):
+        c.submit_many([req(rank, "a", prescale=2.0, postscale=0.25)], riders=[data[rank]])
+    [(response, members)] = c.take()
+    assert members == (0, 1, 2)
+    expected = sum(np.frombuffer(data[rank], np.float32) * np.float32(2.0) for rank in range(3)) * np.float32(0.25)
+    np.testing.assert_array_equal(np.frombuffer(response.data, np.float32), expected)
+    # Cached the second time: the result is computed afresh, never taken from the cache.
+    for rank in range(3):
+        c.submit_many([], [0], rank, riders=[f32(1, 1, 1, 1)])
+    [(again, _)] = c.take()
+    np.testing.assert_array_equal(np.frombuffer(again.data, np.float32), [1.5] * 4)
+    # One member without a rider (or with one of the wrong size): the members move the data.
+    for rank0_rider in ([], [f32(1, 1)]):
+        for rank in range(3):
+            c.submit_many([], [0], rank, riders=[f32(1, 1, 1, 1)] if rank else rank0_rider)
+        assert [r.data for r, _ in c.take()] == [b""]
+
+
+def test_riders_broadcast_take_the_roots_tensor_and_skip_a_set_with_a_joined_rank():
+    c = Coordinator(3, fusion_threshold=0)
+    for rank in range(3):
+        rider = [f32(7, 8)] if rank == 1 else []
+        c.submit_many([req(rank, "b", kind=RequestType.BROADCAST, shape=(2,), root_rank=1)], riders=rider)
+    [(response, _)] = c.take()
+    assert response.data == f32(7, 8)
+    c.submit(req(2, "join", kind=RequestType.JOIN))
+    for rank in (0, 1):
+        c.submit_many([req(rank, "a")], riders=[f32(1, 2, 3, 4)])
+    [(response, members)] = c.take()
+    assert response.names == ["a"] and members == (0, 1, 2) and response.data == b""
+
+
+def test_computed_results_fuse_only_with_each_other():
+    c = Coordinator(2, fusion_threshold=1 << 20)
+    for rank in range(2):
+        c.submit_many(
+            [req(rank, "x"), req(rank, "y"), req(rank, "z")],
+            riders=[f32(rank, 1, 2, 3), b"", f32(5, 5, 5, 5)],
+        )
+    fused = [(r.names, np.frombuffer(r.data, np.float32).tolist()) for r, _ in c.take()]
+    assert fused == [(["x", "z"], [1, 2, 4, 6, 10, 10, 10, 10]), (["y"], [])]
+
+
+def _entry(name, kind, data, root_rank=0, error=""):
+    request = Request(0, kind, name, shape=data.shape, dtype=F32, root_rank=root_rank, error=error)
+    return Entry(request, DataType.FLOAT32, data, np.empty_like(data), Handle(name))
+
+
+def test_a_rank_sends_small_allreduces_and_its_own_broadcasts_along_within_the_budget():
+    ones = np.ones(600, np.float32)  # 2400 bytes
+    entries = [
+        _entry("a", RequestType.ALLREDUCE, ones),
+        _entry("b", RequestType.BROADCAST, ones[:3], root_rank=1),  # not this rank's
+        _entry("c", RequestType.BROADCAST, ones[:3]),
+        _entry("d", RequestType.ALLREDUCE, ones),  # past the budget with "a" and "c"
+        _entry("e", RequestType.ALLGATHER, ones[:1]),
+        _entry("f", RequestType.ALLREDUCE, ones[:1], error="bad"),
+        _entry("g", RequestType.ALLREDUCE, ones[:2]),
+    ]
+    assert [len(r) for r in riders(entries, 0, 4096)] == [2400, 0, 12, 0, 0, 0, 8]
+    assert riders(entries, 0, 0) == []
+    assert riders(entries[1:2] + entries[4:6], 0, 4096) == []  # nothing rides: no list at all
+
+
+def test_a_response_with_data_completes_its_tensors_without_a_data_phase():
+    queue = TensorQueue()
+    x, y = _entry("x", RequestType.ALLREDUCE, np.zeros(2, np.float32)), _entry("y", RequestType.ALLREDUCE, np.zeros(3, np.float32))
+    queue.add_many([x, y])
+
+    def no_data_phase(ranks):
+        raise AssertionError("a data phase ran")
+
+    executor = Executor(0, ProcessSetTable(2), queue, no_data_phase)
+    data = np.arange(5, dtype=np.float32)
+    executor.run(Response(ResponseType.ALLREDUCE, ["x", "y"], dtype=F32, sizes=[2, 3], cache_ids=[4, 5], data=data.tobytes()))
+    assert x.handle.wait().tolist() == [0, 1] and y.handle.wait().tolist() == [2, 3, 4]
+    assert executor.cache.lookup(x.request) == 4  # what it learned, as from any response

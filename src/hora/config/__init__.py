@@ -98,6 +98,7 @@ class Config:
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
     cycle_time_ms: float = 0.0
     cache_capacity: int = 1024
+    ride_bytes: int = 4096
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0

@@ -309,6 +309,10 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--cache-capacity",), "response cache entries (0: off)", "N"),
                   Option(("--disable-cache",), "turn the response cache off", const=0)),
          yaml="params.cache_capacity"),
+    Knob("HORA_RIDE_BYTES", Integer(0, 1 << 16), 4096, "runtime",
+         "bytes of small allreduce and broadcast data a rank sends to the coordinator along with one frame of "
+         "requests; when every member's data is there, rank 0 computes the result and sends it back with the "
+         "response, and no data phase runs (docs/architecture.md, riders; 0 turns it off)", (), "ride_bytes"),
     Knob("HORA_STALL_CHECK_DISABLE", Boolean(), False, "runtime", "turn the stall inspector off",
          ("HOROVOD_STALL_CHECK_DISABLE",), "stall_check_disable",
          options=(Option(("--no-stall-check",), "turn the stall inspector off"),),

@@ -49,6 +49,7 @@ from hora.engine.fast_lane import FastLane, Proposal
 from hora.engine.handles import Handle
 from hora.engine.messages import Response
 from hora.engine.queue import Entry, TensorQueue
+from hora.engine.riders import riders
 from hora.engine.stall import StallInspector
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
@@ -123,6 +124,7 @@ class ControlPlane:
         self.size = config.topology.size
         # Changed by autotune, at the same point of the response sequence on every rank.
         self.cycle_time_ms = config.cycle_time_ms
+        self.ride_bytes = config.ride_bytes  # small tensors' data goes with their requests (riders)
         self.hostname = hostname
         self.queue = queue
         self.executor = executor
@@ -274,11 +276,11 @@ class ControlPlane:
             self.coordinator.depart(link.peer, f"on host {link.peer_host} {messages.decode_reason(payload)}")
             self.drop(link)  # closing our end tells the worker it may go
         elif self.coordinator is not None and kind == messages.REQUESTS:
-            requests, cached = messages.decode_requests(payload)
+            requests, cached, along = messages.decode_requests(payload)
             for request in requests:
                 if request.rank != link.peer:
                     raise ProtocolError(f"a request in the name of rank {request.rank}")
-            self.coordinator.submit_many(requests, cached, link.peer)
+            self.coordinator.submit_many(requests, cached, link.peer, along)
         elif self.coordinator is not None and kind == messages.STUCK:
             self.coordinator.note_stuck(link.peer, messages.decode_count(payload))
         elif self.coordinator is None and kind == messages.RESPONSES:
@@ -319,20 +321,26 @@ class ControlPlane:
                 return
         requests: list[messages.Request] = []
         cached: list[int] = []
-        for entry in entries:
+        by_id: list[int] = []  # the indexes of the entries sent by cache id
+        for index, entry in enumerate(entries):
             cache_id = self.executor.cache.lookup(entry.request)
             if cache_id is None:
                 requests.append(entry.request)
             else:
                 cached.append(cache_id)
+                by_id.append(index)
+        along = riders(entries, self.rank, self.ride_bytes)
+        if along and by_id:  # the frame lists full requests first, then cached ones
+            sent_by_id = set(by_id)
+            along = [along[i] for i in range(len(entries)) if i not in sent_by_id] + [along[i] for i in by_id]
         if fast_lane is not None and entries:
             fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
         self.stuck_reported = -1  # a rank that submits is not stuck
         self.stuck_due = None
         if self.coordinator is not None:
-            self.coordinator.submit_many(requests, cached, self.rank)
+            self.coordinator.submit_many(requests, cached, self.rank, along)
         else:
-            payload = messages.encode_requests(requests, cached)
+            payload = messages.encode_requests(requests, cached, along)
             self.links[0].send_frame(messages.REQUESTS, payload, self.watch)
 
     def distribute(self, ready: list[tuple[Response, tuple[int, ...]]]) -> None:

@@ -35,6 +35,7 @@ from hora.engine import fusion, validate
 from hora.engine.cache import CoordinatorCache
 from hora.engine.messages import Request, RequestType, Response, ResponseType, split_name, tensor_label
 from hora.engine.process_sets import ProcessSetTable
+from hora.engine.riders import computed_result
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 
@@ -53,6 +54,7 @@ class _Pending:
     requests: dict[int, Request]
     first_seen: float
     cached: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> cache id it sent
+    riders: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> data it sent along
 
 
 @dataclasses.dataclass
@@ -123,21 +125,32 @@ class Coordinator:
         """
         self.submit_many([], [cache_id], rank)
 
-    def submit_many(self, requests: Sequence[Request], cached: Sequence[int] = (), rank: int = -1) -> None:
+    def submit_many(
+        self, requests: Sequence[Request], cached: Sequence[int] = (), rank: int = -1, riders: Sequence[bytes] = ()
+    ) -> None:
         """Records what ``rank`` submitted at once (full requests, and tensors it sent by
         cache id), then checks what became ready: a rank's grouped call is thus whole
         here before any of its tensors is validated.
 
+        Args:
+            riders: empty, or the data sent along with each tensor, full requests first
+                (``hora.engine.riders``; empty bytes for none).
+
         Raises:
             ProtocolError: a cache id is unknown for ``rank``.
         """
+        submitted = list(requests)
         recorded = [self._record(request) for request in requests]
         for cache_id in cached:
             try:
                 request = self.cache.request(rank, cache_id)
             except (IndexError, KeyError):
                 raise ProtocolError(f"unknown cache id {cache_id} from rank {rank}") from None
+            submitted.append(request)
             recorded.append(self._record(request, cache_id))
+        for request, found, rider in zip(submitted, recorded, riders):
+            if found is not None and rider:
+                found[1].riders[request.rank] = rider
         for found in recorded:
             # A tensor that an earlier one's failure took away (its group) is gone.
             if found is not None and self._pending.get(found[0]) is found[1]:
@@ -331,6 +344,8 @@ class Coordinator:
                 response = self._remove_set(response)
             if response.type not in (ResponseType.ERROR, ResponseType.ABORTED):
                 response.cache_ids = [self.cache.record(key, requests, response)]
+        if pending.riders and not self._joined.intersection(members):
+            response.data = computed_result(response, pending.requests, pending.riders, members)
         group = requests[0].group
         if group:
             held = self._groups.setdefault((key[0], group), [])

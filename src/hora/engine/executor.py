@@ -93,14 +93,19 @@ class Executor:
         if kind == ResponseType.BARRIER:
             self._complete(response, response.names[0], None)
             return
-        channel = self._collectives_for(self.sets.ranks(response.process_set_id))
+        # A response with data carries its result, computed by the coordinator (hora.engine.riders).
+        channel = None if response.data else self._collectives_for(self.sets.ranks(response.process_set_id))
         timeline = self.timeline
         if timeline is not None:
             args = self._trace_args(response)
+            label = "COORDINATOR" if channel is None else channel.label
             for name in response.names:
                 timeline.begin(name, kind.name)
-                timeline.begin(name, f"{channel.label}_{kind.name}")
-        self._execute(response, channel)
+                timeline.begin(name, f"{label}_{kind.name}")
+        if channel is None:
+            self._deliver(response)
+        else:
+            self._execute(response, channel)
         if timeline is not None:
             for name in response.names:
                 timeline.end(name)
@@ -134,6 +139,20 @@ class Executor:
             self._reducescatter(response, channel, entry)
         else:
             raise RuntimeError(f"hora internal error: cannot execute {kind.name}")
+
+    def _deliver(self, response: Response) -> None:
+        """Completes a response whose result it carries: copies each tensor's part of the
+        data into the tensor's output (an allreduce's tensors lie end to end; a
+        broadcast's one tensor is the root's)."""
+        result = np.frombuffer(response.data, dtype=DataType(response.dtype).storage)
+        offset = 0
+        for index in range(len(response.names)):
+            entry = self._take(response, index)
+            count = response.sizes[index] if response.type == ResponseType.ALLREDUCE else result.size
+            if entry is not None and entry.output is not None:
+                np.copyto(entry.output, result[offset : offset + count])
+                entry.handle.complete(entry.output.reshape(entry.shape))
+            offset += count
 
     def _take(self, response: Response, index: int) -> Entry | None:
         """Removes the entry of ``response.names[index]`` and learns its cache id."""

@@ -15,7 +15,8 @@ from hora.engine.messages import Response, ResponseType
 FUSABLE = (ResponseType.ALLREDUCE, ResponseType.ADASUM)
 
 
-def _kind(response: Response) -> tuple[int, int, int, int, float, float]:
+def _kind(response: Response) -> tuple[int, int, int, int, float, float, bool]:
+    # Computed results (hora.engine.riders) fuse only with each other: their data goes end to end.
     return (
         response.type,
         response.process_set_id,
@@ -23,6 +24,7 @@ def _kind(response: Response) -> tuple[int, int, int, int, float, float]:
         response.reduce_op,
         response.prescale,
         response.postscale,
+        bool(response.data),
     )
 
 
@@ -43,7 +45,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
     if threshold <= 0 or len(responses) == 1:
         return list(responses)
     out: list[Response] = []
-    open_by_kind: dict[tuple[int, int, int, int, float, float], tuple[Response, int]] = {}
+    open_by_kind: dict[tuple[int, int, int, int, float, float, bool], tuple[Response, int]] = {}
     for response in responses:
         if response.type not in FUSABLE:
             out.append(response)
@@ -56,6 +58,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
             fused.names.extend(response.names)
             fused.sizes.extend(response.sizes)
             fused.cache_ids.extend(response.cache_ids)
+            fused.data += response.data
             open_by_kind[kind] = (fused, used + size)
             continue
         fused = Response(
@@ -68,6 +71,7 @@ def fuse(responses: list[Response], threshold: int) -> list[Response]:
             postscale=response.postscale,
             sizes=list(response.sizes),
             cache_ids=list(response.cache_ids),
+            data=response.data,
         )
         out.append(fused)
         open_by_kind[kind] = (fused, size)

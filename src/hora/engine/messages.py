@@ -179,6 +179,10 @@ class Response:
             ADD_PROCESS_SET: the set's ranks.
         error: the message, for ERROR responses.
         cache_ids: the response-cache id of each tensor in ``names`` (-1: none).
+        data: the result, when the coordinator computed it from the data every member
+            sent with its request (``hora.engine.riders``): ALLREDUCE, the reduced and
+            scaled tensors end to end; BROADCAST, the root's tensor. Empty otherwise:
+            the members move the data themselves.
     """
 
     type: ResponseType
@@ -192,6 +196,7 @@ class Response:
     sizes: list[int] = dataclasses.field(default_factory=list)
     error: str = ""
     cache_ids: list[int] = dataclasses.field(default_factory=list)
+    data: bytes = b""
 
     def encode(self, writer: Writer) -> None:
         writer.u8(self.type).u32(len(self.names))
@@ -201,7 +206,7 @@ class Response:
             _RESPONSE_FIELDS,
             self.process_set_id, self.dtype, self.reduce_op, self.root_rank, self.prescale, self.postscale,
         )  # fmt: skip
-        writer.i64s(self.sizes).string(self.error).i64s(self.cache_ids)
+        writer.i64s(self.sizes).string(self.error).i64s(self.cache_ids).blob(self.data)
 
     @classmethod
     def decode(cls, reader: Reader) -> Response:
@@ -220,25 +225,37 @@ class Response:
             sizes=reader.i64s(),
             error=reader.string(),
             cache_ids=reader.i64s(),
+            data=reader.blob(),
         )
 
 
-def encode_requests(requests: list[Request], cached: list[int] | None = None) -> bytes:
-    """Encodes full requests and, for tensors sent unchanged, their cache ids."""
+def encode_requests(requests: list[Request], cached: list[int] | None = None, riders: list[bytes] | None = None) -> bytes:
+    """Encodes full requests, the cache ids of tensors sent unchanged, and the data sent
+    along (``riders``: one per tensor, full requests first, empty for none; or no list)."""
     writer = Writer().u32(len(requests))
     for request in requests:
         request.encode(writer)
     writer.i64s(cached or [])
+    writer.u32(len(riders or ()))
+    for rider in riders or ():
+        writer.blob(rider)
     return writer.bytes()
 
 
-def decode_requests(payload: bytes) -> tuple[list[Request], list[int]]:
-    """Returns (full requests, cache ids)."""
+def decode_requests(payload: bytes) -> tuple[list[Request], list[int], list[bytes]]:
+    """Returns (full requests, cache ids, riders: empty or one per tensor).
+
+    Raises:
+        ProtocolError: the riders do not match the tensors one to one.
+    """
     reader = Reader(payload)
     requests = [Request.decode(reader) for _ in range(reader.count())]
     cached = reader.i64s()
+    riders = [reader.blob() for _ in range(reader.count())]
     reader.done()
-    return requests, cached
+    if riders and len(riders) != len(requests) + len(cached):
+        raise ProtocolError(f"{len(riders)} riders for {len(requests) + len(cached)} tensors")
+    return requests, cached, riders
 
 
 def encode_responses(responses: list[Response]) -> bytes:

@@ -1,0 +1,102 @@
+"""Small collectives whose data rides the negotiation.
+
+Every collective goes to the coordinator (rank 0) and back before its data moves; for a
+small allreduce or broadcast the data phase that follows (recursive doubling across
+hosts, the root's sends, barriers in shared memory) costs as much again in round trips.
+So a rank sends a small tensor's data along with its request (a *rider*), and when every
+member of the set sent one, the coordinator computes the result itself: the allreduce
+of the riders in member order, or the root's tensor for a broadcast. The result travels
+back in the response (``Response.data``) and each rank copies it into its output: one
+round trip in all, through rank 0.
+
+Riding is an optimisation only. A rank decides alone whether its tensor rides (it fits
+the frame's budget); the coordinator attaches a result only when every member's rider is
+there and no member joined, and every member receives the same response, so either
+every member takes the result or every member moves the data itself. Results are
+identical on every rank (computed once) and equal to the data path's up to the order of
+floating-point sums, as between any two of hora's algorithms.
+
+The budget (``HORA_RIDE_BYTES``, 4 KiB) bounds what rank 0 relays: with N ranks it
+receives and sends at most N - 1 times the budget per frame of requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hora.collectives.reduce import DataType, reducer, scale
+from hora.engine.messages import Request, RequestType, Response, ResponseType
+from hora.engine.queue import Entry
+
+
+def riders(entries: Sequence[Entry], rank: int, budget: int) -> list[bytes]:
+    """The data to send with each entry's request: a small allreduce's input, a small
+    broadcast's input from its root; empty bytes for the rest. An empty list when no
+    entry's data goes along.
+
+    Args:
+        entries: the tensors announced in one frame, in the frame's order.
+        rank: this rank (global), to tell a broadcast's root.
+        budget: the most bytes the entries' riders take together (``HORA_RIDE_BYTES``),
+            taken in order.
+    """
+    out: list[bytes] = []
+    left = budget
+    for entry in entries:
+        data, request = entry.input, entry.request
+        carried = request.type == RequestType.ALLREDUCE or (
+            request.type == RequestType.BROADCAST and request.root_rank == rank
+        )
+        if carried and data is not None and 0 < data.nbytes <= left and not request.error:
+            out.append(data.tobytes())
+            left -= data.nbytes
+        else:
+            out.append(b"")
+    return out if left < budget else []
+
+
+def computed_result(response: Response, requests: dict[int, Request], riders: dict[int, bytes], members: Sequence[int]) -> bytes:
+    """Computes a validated response's result from the members' riders, or returns b""
+    when it cannot (a rider missing or of the wrong size, a collective that does not ride).
+
+    Args:
+        response: an ALLREDUCE or BROADCAST response for one tensor, as validated.
+        requests: each member's request for it (by global rank).
+        riders: each member's rider for it (by global rank); absent for none.
+        members: the set's global ranks, in order: the allreduce sums in this order.
+    """
+    dtype = DataType(response.dtype)
+    storage = dtype.storage
+    if response.type == ResponseType.BROADCAST:
+        root = response.root_rank
+        data = riders.get(root, b"")
+        request = requests.get(root)
+        if request is None or len(data) != _nbytes(request, storage):
+            return b""
+        return data
+    if response.type != ResponseType.ALLREDUCE or len(response.names) != 1:
+        return b""
+    nbytes = sum(response.sizes) * storage.itemsize
+    contributions = [riders.get(rank, b"") for rank in members]
+    if any(len(data) != nbytes for data in contributions):
+        return b""
+    try:
+        reduce = reducer(response.reduce_op, dtype)
+    except ValueError:
+        return b""  # the data path meets the same op and raises it on every rank
+    total = np.frombuffer(contributions[0], dtype=storage).copy()
+    scale(total, response.prescale, dtype)
+    for data in contributions[1:]:
+        other = np.frombuffer(data, dtype=storage)
+        if response.prescale != 1.0:
+            other = other.copy()
+            scale(other, response.prescale, dtype)
+        reduce(total, other)
+    scale(total, response.postscale, dtype)
+    return bytes(total.tobytes())
+
+
+def _nbytes(request: Request, storage: np.dtype[np.generic]) -> int:
+    return int(np.prod(request.shape, dtype=np.int64)) * storage.itemsize
