@@ -82,3 +82,15 @@ def test_dynamic_mode_is_required_to_add_sets(fresh):
     hvd.init()
     with pytest.raises(ValueError, match="HORA_DYNAMIC_PROCESS_SETS=1"):
         hvd.add_process_set([0])
+
+
+@pytest.mark.parametrize("setting, seconds", [(None, 300e-6), ("0", 0.0), ("50", 50e-6)])
+def test_the_spin_after_work_is_the_machines_choice_unless_hora_spin_us_sets_it(fresh, monkeypatch, setting, seconds):
+    from hora.core.api import current
+
+    if setting is not None:
+        monkeypatch.setenv("HORA_SPIN_US", setting)
+    hvd.init()
+    # One rank and at least one CPU: the machine's rule spins 300 us (engine.waiting.spin_after_work).
+    assert current().engine._sleeper.spin_seconds == pytest.approx(seconds)
+    assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [1.0, 1.0]

@@ -309,6 +309,11 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--cache-capacity",), "response cache entries (0: off)", "N"),
                   Option(("--disable-cache",), "turn the response cache off", const=0)),
          yaml="params.cache_capacity"),
+    Knob("HORA_SPIN_US", Integer(0, 1_000_000), None, "runtime",
+         "microseconds a rank's threads keep polling after work before they sleep (waking from sleep costs "
+         "tens of microseconds on each side); 0 where ranks get less CPU than the machine shows them (CPU "
+         "quotas, several emulated hosts on one machine), where a polling rank takes the CPU its peer needs",
+         (), "spin_us", shown_default="300, or 0 with more local ranks than cores"),
     Knob("HORA_RIDE_BYTES", Integer(0, 1 << 16), 4096, "runtime",
          "bytes of small allreduce and broadcast data a rank sends to the coordinator along with one frame of "
          "requests; when every member's data is there, rank 0 computes the result and sends it back with the "

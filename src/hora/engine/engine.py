@@ -185,7 +185,10 @@ class Engine:
             domain.watch = self.control.watch
         self._choice = AlgorithmChoice(config, mesh, domain, sharing or [False] * self.size, self.control.watch, mpi)
         local_ranks = len(domain.ranks) if domain is not None else config.topology.local_size
-        spin = spin_after_work(local_ranks, os.cpu_count() or 1)
+        if config.spin_us is not None:
+            spin = config.spin_us * 1e-6  # HORA_SPIN_US
+        else:
+            spin = spin_after_work(local_ranks, os.cpu_count() or 1)
         self._sleeper = Sleeper(self.control.by_fd, self.queue, lane, domain, self._shield, spin)
         self.control.on_unregister = self._sleeper.unregister
         # Held by the thread running an engine pass (the engine thread or a caller).
