@@ -321,18 +321,19 @@ class ControlPlane:
                 return
         requests: list[messages.Request] = []
         cached: list[int] = []
-        by_id: list[int] = []  # the indexes of the entries sent by cache id
+        in_full: list[int] = []  # the entries' indexes, in the frame's order: full requests first
+        by_id: list[int] = []
         for index, entry in enumerate(entries):
             cache_id = self.executor.cache.lookup(entry.request)
             if cache_id is None:
                 requests.append(entry.request)
+                in_full.append(index)
             else:
                 cached.append(cache_id)
                 by_id.append(index)
         along = riders(entries, self.rank, self.ride_bytes)
-        if along and by_id:  # the frame lists full requests first, then cached ones
-            sent_by_id = set(by_id)
-            along = [along[i] for i in range(len(entries)) if i not in sent_by_id] + [along[i] for i in by_id]
+        if along and by_id:
+            along = [along[i] for i in in_full + by_id]
         if fast_lane is not None and entries:
             fast_lane.serve(busy=True)  # refuse proposals: one may be for a tensor sent here
         self.stuck_reported = -1  # a rank that submits is not stuck
