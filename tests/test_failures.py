@@ -330,3 +330,58 @@ def test_errors_keep_horovods_classes():
     for out in run_ranks(2, error_classes_job):
         assert "HoraInternalError" in out["reducescatter"] and "NotImplementedError" in out["reducescatter"], out
         assert out["mismatch"][:2] == ["CollectiveMismatchError", "HoraInternalError"], out
+
+
+def silent_coordinator_job(frozen: bool) -> str:
+    """Rank 0 goes quiet before its second allreduce while the workers wait for it: frozen
+    (SIGSTOP; a helper kills it later), or alive but busy for 4 s."""
+    import time
+
+    import hora.numpy as hvd
+    from hora.core.api import current
+    from test_data_phase_failures import freeze
+
+    hvd.init()
+    hvd.allreduce(np.ones(2), name="warm-up")
+    if hvd.rank() == 0:
+        if frozen:
+            freeze(-10.0)
+        time.sleep(4.0)
+    start = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(2), name="after-the-silence")
+        outcome = "no error"
+    except hvd.HoraInternalError as exc:
+        outcome = str(exc)
+    answered = sorted(current().engine.control.pings_answered) if hvd.rank() == 0 else []
+    hvd.shutdown()
+    return f"{time.monotonic() - start:.1f}\n{answered}\n{outcome}"
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+@pytest.mark.timeout(90)
+def test_workers_end_the_job_when_a_frozen_rank_0_leaves_their_pings_unanswered(shm):
+    env = {
+        "HORA_SHARED_MEMORY": "1" if shm else "0",
+        "HORA_STALL_CHECK_TIME_SECONDS": "1",
+        "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3",
+    }
+    results = run_ranks(3, silent_coordinator_job, True, env=env, check=False, launcher="torchrun", timeout=80)
+    for result in results[1:]:
+        assert result.returncode == 0, result.output + (result.error or "")
+        seconds, _, message = result.value.split("\n", 2)
+        assert "rank 0 (the coordinator) on host" in message and "nor answered a ping for 2 s" in message, message
+        assert "shutting the job down after 3 s" in message, message
+        assert 2.5 < float(seconds) < 15.0, result.value
+        assert "nor answered a ping for 1 s" in result.output  # the warning before
+
+
+@pytest.mark.timeout(90)
+def test_a_busy_rank_0_answers_the_workers_pings_and_the_job_goes_on():
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1"}  # no shutdown time: a warning could not end the job
+    results = run_ranks(3, silent_coordinator_job, False, env=env, check=False, launcher="torchrun", timeout=80)
+    for result in results:
+        assert result.returncode == 0, result.output + (result.error or "")
+        assert result.value.endswith("\nno error"), result.value
+        assert "nor answered a ping" not in result.output
+    assert results[0].value.split("\n")[1] == "[1, 2]", results[0].value  # both workers asked

@@ -324,7 +324,8 @@ KNOBS: tuple[Knob, ...] = (
          yaml="stall_check.enabled", yaml_invert=True),
     Knob("HORA_STALL_CHECK_TIME_SECONDS", Number(strict=True), 60.0, "runtime",
          "seconds before rank 0 warns about tensors some ranks have not submitted, and before any rank warns "
-         "about a collective whose data stopped moving (naming the ranks it waits for)",
+         "about a collective whose data stopped moving (naming the ranks it waits for), and before a worker "
+         "waiting for rank 0's responses with nothing from it asks whether it is there",
          ("HOROVOD_STALL_CHECK_TIME_SECONDS",), "stall_check_time_seconds",
          options=(Option(("--stall-check-warning-time-seconds",), "seconds before a stall warning", "SECONDS"),),
          yaml="stall_check.warning_time_seconds"),

@@ -12,6 +12,12 @@ member has submitted a collective, its transfers wait only for peers that are ru
 it, so a wait that makes no progress for the warning time means a peer stopped
 (frozen by SIGSTOP, swapping, a wedged driver). The rank that waits names those peers,
 with the same warning and shutdown times.
+
+Both clocks run in rank 0's engine or in a data phase, so neither sees a rank 0 that is
+frozen while the workers wait for its responses (its TCP stack still acknowledges what
+they send). Each worker keeps a third clock for that (``SilentCoordinator``): after the
+warning time without a word from rank 0 it asks (a PING, which rank 0 answers from any
+pass or data-plane wait), and a question left unanswered ends the job like the others.
 """
 
 from __future__ import annotations
@@ -137,3 +143,89 @@ class DataPhaseStall:
         log.warning("%s; it resumes if they do", message, extra=logs.at(self._rank))
         due = waited + self._inspector.warn_after
         return due if shutdown is None else min(due, shutdown)
+
+
+class SilentCoordinator:
+    """A worker's clock on rank 0 while it waits for rank 0's responses.
+
+    The silence starts anew whenever rank 0 sends anything or this worker sends it
+    requests (``heard``). Once a waiting worker has heard nothing for the warning time,
+    it sends a PING; an alive rank 0 answers within a pass, however long it itself waits
+    for other ranks (its stall inspector reports those). A PING unanswered for the
+    warning time is reported, and again every warning time after; unanswered for the
+    shutdown time less the warning time (so the silence lasted the whole shutdown time)
+    it fails the job, naming rank 0.
+
+    Args:
+        inspector: supplies the warning and shutdown times and the disable flag.
+        rank: this worker's global rank, for messages.
+        host: rank 0's host, for messages.
+        clock: returns seconds; injectable for tests.
+
+    Attributes:
+        due_at: the clock's time of the next step (a PING, a warning, the end); ``inf``
+            with stall checks off. A worker's sleep ends by then, waiting or not: one
+            spare wake-up per warning time costs less than asking, on every sleep,
+            whether anything waits.
+        pings: PINGs sent so far: the next one's number.
+    """
+
+    def __init__(
+        self, inspector: StallInspector, rank: int, host: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._inspector = inspector
+        self._rank = rank
+        self._host = host
+        self._clock = clock
+        self._quiet_since = 0.0
+        self._pinged_at: float | None = None  # the unanswered PING's time, if one is
+        self.due_at = float("inf")
+        self.pings = 0
+        self.heard()
+
+    def heard(self) -> None:
+        """Rank 0 sent something, or this worker sent it requests."""
+        self._quiet_since = self._clock()
+        self._pinged_at = None
+        if self._inspector.enabled:
+            self.due_at = self._quiet_since + self._inspector.warn_after
+
+    def check(self, waiting: bool) -> bool:
+        """Takes the step that is due, if any (cheap when none is: a pass calls it).
+
+        Args:
+            waiting: this worker waits for a response from rank 0 (asked only when a
+                step is due; not waiting, the silence starts anew).
+
+        Returns:
+            True when a PING is due: the caller sends it, numbered ``pings - 1``.
+
+        Raises:
+            StalledError: rank 0 left a PING unanswered past the shutdown time.
+        """
+        now = self._clock()
+        if now < self.due_at:
+            return False
+        if not waiting:
+            self.heard()
+            return False
+        inspector = self._inspector
+        shutdown = inspector.shutdown_after
+        pinged_at = self._pinged_at
+        ping = pinged_at is None
+        if pinged_at is None:
+            self._pinged_at = pinged_at = now
+            self.pings += 1
+        else:
+            message = (
+                f"rank 0 (the coordinator) on host {self._host} has sent nothing for {now - self._quiet_since:.0f} s "
+                f"while this rank waits for its responses, nor answered a ping for {now - pinged_at:.0f} s "
+                "(a process frozen or stopped by a signal, swapping, or a wedged device)"
+            )
+            if shutdown is not None and now - pinged_at >= shutdown - inspector.warn_after:
+                raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
+            log.warning("%s; it resumes if rank 0 does", message, extra=logs.at(self._rank))
+        self.due_at = now + inspector.warn_after
+        if shutdown is not None:
+            self.due_at = min(self.due_at, pinged_at + shutdown - inspector.warn_after)
+        return ping

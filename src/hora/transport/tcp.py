@@ -188,6 +188,8 @@ class Link:
         peer_host: the peer's host name, for error messages.
         frames: control frames received but not yet consumed, in arrival order.
         closed_by_peer: set when the peer closed its end.
+        sending: a frame is part-way out (``send_frame`` waits for the socket): another
+            frame must not be sent on this link until it is.
     """
 
     def __init__(self, sock: socket.socket, peer: int, peer_host: str) -> None:
@@ -197,8 +199,8 @@ class Link:
         self.frames: deque[tuple[int, bytes]] = deque()
         self.closed_by_peer = False
         self.close_detail = CLOSED
+        self.sending = False
         self._reader = FrameReader()
-        self._outbox = bytearray()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -248,7 +250,11 @@ class Link:
         except OSError:
             sent = 0  # full, or failed: ``exchange`` waits, or reports the failure
         if sent < len(frame):
-            exchange([(self, memoryview(frame)[sent:])], [], watch)
+            self.sending = True
+            try:
+                exchange([(self, memoryview(frame)[sent:])], [], watch)
+            finally:
+                self.sending = False
 
     def close(self) -> None:
         try:
