@@ -92,5 +92,5 @@ def test_the_spin_after_work_is_the_machines_choice_unless_hora_spin_us_sets_it(
         monkeypatch.setenv("HORA_SPIN_US", setting)
     hvd.init()
     # One rank and at least one CPU: the machine's rule spins 300 us (engine.waiting.spin_after_work).
-    assert current().engine._sleeper.spin_seconds == pytest.approx(seconds)
+    assert current().engine._sleeper.spin.seconds == pytest.approx(seconds)
     assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [1.0, 1.0]

@@ -58,7 +58,7 @@ from hora.engine.mpi_collectives import MpiWorld
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.stall import DataPhaseStall, StallInspector
-from hora.engine.waiting import PARK_SECONDS, Sleeper, spin_after_work
+from hora.engine.waiting import PARK_SECONDS, Sleeper, Spin, machine_cpus, spin_after_work
 from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
 from hora.transport.tcp import Link, Watch
@@ -186,9 +186,9 @@ class Engine:
         self._choice = AlgorithmChoice(config, mesh, domain, sharing or [False] * self.size, self.control.watch, mpi)
         local_ranks = len(domain.ranks) if domain is not None else config.topology.local_size
         if config.spin_us is not None:
-            spin = config.spin_us * 1e-6  # HORA_SPIN_US
+            spin = Spin(config.spin_us * 1e-6, adapts=False)  # HORA_SPIN_US: the user's choice
         else:
-            spin = spin_after_work(local_ranks, os.cpu_count() or 1)
+            spin = Spin(spin_after_work(local_ranks, machine_cpus()), adapts=True)
         self._sleeper = Sleeper(self.control.by_fd, self.queue, lane, domain, self._shield, spin)
         self.control.on_unregister = self._sleeper.unregister
         # Held by the thread running an engine pass (the engine thread or a caller).
@@ -455,7 +455,7 @@ class Engine:
                     break
                 poller = sleeper.callers_poller(control.by_fd)
                 if control.settled_on_lane(
-                    handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), sleeper.spin_seconds if spin else 0.0
+                    handle, lambda: bool(poller.poll(0)) or self.queue.has_new(), sleeper.spin.seconds if spin else 0.0
                 ):
                     continue
                 # Before this thread may sleep (it is in control.waiting): the report is due
