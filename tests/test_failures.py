@@ -385,3 +385,42 @@ def test_a_busy_rank_0_answers_the_workers_pings_and_the_job_goes_on():
         assert result.value.endswith("\nno error"), result.value
         assert "nor answered a ping" not in result.output
     assert results[0].value.split("\n")[1] == "[1, 2]", results[0].value  # both workers asked
+
+
+def worker_silent_at_shutdown_job(frozen: bool) -> str:
+    """Rank 0 shuts down while rank 1 goes quiet: frozen (SIGSTOP; a helper kills it later),
+    or alive but busy for 5 s before it shuts down too. Rank 2 shuts down at once."""
+    import time
+
+    import hora.numpy as hvd
+    from hora.core.api import current
+    from test_data_phase_failures import freeze
+
+    hvd.init()
+    hvd.allreduce(np.ones(2), name="warm-up")
+    engine = current().engine
+    if hvd.rank() == 1:
+        if frozen:
+            freeze(-10.0)
+        time.sleep(5.0)
+    start = time.monotonic()
+    hvd.shutdown()
+    return f"{time.monotonic() - start:.1f}\n{sorted(engine.control.pings_answered)}\n{engine.failure}"
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "busy"])
+@pytest.mark.timeout(90)
+def test_rank_0_shut_down_pings_the_workers_it_waits_for(frozen):
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    results = run_ranks(3, worker_silent_at_shutdown_job, frozen, env=env, check=False, launcher="torchrun", timeout=80)
+    seconds, _, failure = results[0].value.split("\n", 2)
+    if frozen:
+        assert "rank 1 on host" in failure and "nor answered a ping for 2 s" in failure, failure
+        assert "shutting the job down after 3 s" in failure, failure
+        assert 2.5 < float(seconds) < 9.0, results[0].value
+    else:
+        assert failure == "None", results[0].output
+        assert results[1].value.split("\n")[1] == "[0]", results[1].value  # rank 1 answered rank 0
+        assert "nor answered a ping" not in results[0].output
+        for result in results:
+            assert result.returncode == 0, result.output + (result.error or "")

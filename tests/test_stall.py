@@ -1,4 +1,4 @@
-"""A worker's watch on a silent rank 0: its clock on its own (a clock the test moves), and rank 0's answers."""
+"""A rank's watch on a silent peer: its clock on its own (a clock the test moves), and the answers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hora.engine.control import ControlPlane
 from hora.engine.executor import Executor
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import TensorQueue
-from hora.engine.stall import SilentCoordinator, StalledError, StallInspector
+from hora.engine.stall import SilentPeer, StalledError, StallInspector
 from hora.transport.tcp import FrameReader, Link, Watch, encode_frame
 
 
@@ -25,8 +25,9 @@ class Clock:
         return self.now
 
 
-def silence(clock: Clock, **env: str) -> SilentCoordinator:
-    return SilentCoordinator(StallInspector(Config.from_env(env), clock), 3, "host-a", clock)
+def silence(clock: Clock, **env: str) -> SilentPeer:
+    inspector = StallInspector(Config.from_env(env), clock)
+    return SilentPeer(inspector, 3, "rank 0 (the coordinator) on host host-a", "its responses", clock)
 
 
 def test_a_silent_coordinator_is_pinged_warned_about_then_ends_the_job(caplog):

@@ -50,7 +50,7 @@ from hora.engine.handles import Handle
 from hora.engine.messages import Response
 from hora.engine.queue import Entry, TensorQueue
 from hora.engine.riders import riders
-from hora.engine.stall import SilentCoordinator, StallInspector
+from hora.engine.stall import SilentPeer, StallInspector
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 from hora.transport.tcp import Link, PeerProtocolError, Watch
@@ -136,12 +136,13 @@ class ControlPlane:
             Coordinator(self.size, config.fusion_threshold, config.cache_capacity) if self.rank == 0 else None
         )
         self.stall = StallInspector(config) if self.coordinator is not None else None
-        # A worker's clock on a silent rank 0; rank 0 answers each PING once, by number.
-        self.silence = (
-            SilentCoordinator(StallInspector(config), self.rank, self.links[0].peer_host)
-            if self.coordinator is None and 0 in self.links and not config.stall_check_disable
-            else None
-        )
+        # Clocks on silent peers, by rank (SilentPeer): a worker's on rank 0 from the start,
+        # rank 0's on each worker once it has shut down (watch_leaving). PINGs are answered
+        # once each, by number.
+        self.silences: dict[int, SilentPeer] = {}
+        if self.coordinator is None and 0 in self.links and not config.stall_check_disable:
+            coordinator = f"rank 0 (the coordinator) on host {self.links[0].peer_host}"
+            self.silences[0] = SilentPeer(StallInspector(config), self.rank, coordinator, "its responses")
         self.pings_answered: dict[int, int] = {}
         # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
         self.tuner = Tuner(config) if config.autotune and self.coordinator is not None else None
@@ -201,9 +202,8 @@ class ControlPlane:
                 self.measure(response.names, bytes_allreduced(response))
         if self.stall is not None and self.coordinator is not None:
             self.stall.check(self.coordinator)
-        elif self.silence is not None and time.monotonic() >= self.silence.due_at:
-            if self.silence.check(self.awaits_coordinator()) and 0 in self.links:
-                self.links[0].send_frame(messages.PING, messages.encode_count(self.silence.pings - 1), self.watch)
+        if self.silences:
+            self.check_silences()
         if self.lane is not None:
             self.lane.serve(self.lane_busy())
         if self.waiting:
@@ -224,8 +224,7 @@ class ControlPlane:
             deadline = notice if deadline is None else min(deadline, notice)
         if not engine_thread and self.stuck_due is not None:
             deadline = self.stuck_due if deadline is None else min(deadline, self.stuck_due)
-        silence = self.silence
-        if silence is not None:  # its time, waiting or not (see SilentCoordinator.due_at)
+        for silence in self.silences.values():  # their times, waiting or not (see SilentPeer.due_at)
             deadline = silence.due_at if deadline is None else min(deadline, silence.due_at)
         lane = self.lane
         return WaitPlan(self.busy(), deadline, None if lane is None else lane.pending, bool(self.links))
@@ -275,8 +274,8 @@ class ControlPlane:
             PeerProtocolError: a peer sent a frame that makes no sense here.
         """
         for peer, link in list(self.links.items()):
-            if link.frames and self.silence is not None:
-                self.silence.heard()  # a worker's only link is to rank 0
+            if link.frames and peer in self.silences:
+                self.silences[peer].heard()
             while link.frames and peer in self.links:
                 kind, payload = link.frames.popleft()
                 try:
@@ -305,10 +304,10 @@ class ControlPlane:
             self.coordinator.submit_many(requests, cached, link.peer, along)
         elif self.coordinator is not None and kind == messages.STUCK:
             self.coordinator.note_stuck(link.peer, messages.decode_count(payload))
-        elif self.coordinator is not None and kind == messages.PING:
+        elif kind == messages.PING:
             self.answer_ping(link, messages.decode_count(payload))
-        elif self.coordinator is None and kind == messages.PONG:
-            pass  # rank 0 is there: read_control restarted the silence
+        elif kind == messages.PONG:
+            pass  # the peer is there: read_control restarted the silence
         elif self.coordinator is None and kind == messages.RESPONSES:
             responses = messages.decode_responses(payload)
             for response in responses:
@@ -330,18 +329,42 @@ class ControlPlane:
                 raise JobFailed(messages.decode_reason(payload), settled=True)
             if kind == messages.SHUTDOWN:
                 self.farewells.add(link.peer)
-            if kind == messages.PING and self.coordinator is not None and not link.sending:
-                # Answered now: this data phase may outlast the worker's patience.
+            if kind == messages.PING and not link.sending:
+                # Answered now: this data phase may outlast the peer's patience.
                 self.answer_ping(link, messages.decode_count(payload))
         if link.closed_by_peer and link.peer not in self.farewells:
             raise JobFailed(self.lost(link, link.close_detail))
 
     def answer_ping(self, link: Link, number: int) -> None:
-        """Rank 0: answers a worker's PING, once (a data-plane wait may see it first,
-        the next pass again)."""
+        """Answers a peer's PING, once (a data-plane wait may see it first, the next
+        pass again)."""
         if number > self.pings_answered.get(link.peer, -1):
             self.pings_answered[link.peer] = number
             link.send_frame(messages.PONG, messages.encode_count(number), self.watch)
+
+    def check_silences(self) -> None:
+        """Pings the silent peers this rank waits for, and fails the job past the stall
+        shutdown time (``SilentPeer``).
+
+        Raises:
+            StalledError: a peer left a PING unanswered past the shutdown time.
+        """
+        now = time.monotonic()
+        for peer, silence in list(self.silences.items()):
+            if now < silence.due_at:
+                continue
+            # A worker waits for rank 0's responses; rank 0 has left and waits for each worker.
+            waiting = self.awaits_coordinator() if self.coordinator is None else True
+            if silence.check(waiting) and peer in self.links:
+                self.links[peer].send_frame(messages.PING, messages.encode_count(silence.pings - 1), self.watch)
+
+    def watch_leaving(self) -> None:
+        """Rank 0, shut down: starts a clock on every worker it still coordinates."""
+        if self.stall is None or not self.stall.enabled:
+            return
+        for peer, link in self.links.items():
+            name = f"rank {peer} on host {link.peer_host}"
+            self.silences[peer] = SilentPeer(self.stall, self.rank, name, "it to shut down too, having shut down")
 
     def announce(self, entries: list[Entry], lane: bool = True) -> None:
         """Tells the coordinator about new tensors: unchanged cached ones by id only.
@@ -379,8 +402,8 @@ class ControlPlane:
         else:
             payload = messages.encode_requests(requests, cached, along)
             self.links[0].send_frame(messages.REQUESTS, payload, self.watch)
-            if self.silence is not None:
-                self.silence.heard()  # the wait for rank 0's answer starts now
+            if 0 in self.silences:
+                self.silences[0].heard()  # the wait for rank 0's answer starts now
 
     def distribute(self, ready: list[tuple[Response, tuple[int, ...]]]) -> None:
         """Hands each ready response to its members: this rank's own to ``responses``."""
@@ -515,6 +538,7 @@ class ControlPlane:
     def drop(self, link: Link) -> None:
         """Forgets a control link whose peer has left, and closes it."""
         self.links.pop(link.peer, None)
+        self.silences.pop(link.peer, None)
         self.watch.links.pop(link.fileno(), None)
         if self.by_fd.pop(link.fileno(), None) is not None:
             self.on_unregister(link.fileno())

@@ -58,6 +58,7 @@ def begin_leaving(control: ControlPlane, how: str) -> None:
     if control.coordinator is not None:
         control.announce(control.queue.drain())
         control.coordinator.depart(control.rank, f"on host {control.hostname} {how}")
+        control.watch_leaving()
 
 
 def leave(control: ControlPlane, how: str) -> None:

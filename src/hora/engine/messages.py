@@ -33,8 +33,8 @@ SHUTDOWN = 3  # either way: the sender is shutting down (payload: reason)
 ABORT = 4  # coordinator -> worker: the job failed (payload: reason)
 FAILURE = 5  # worker -> coordinator: this worker hit an error (payload: reason)
 STUCK = 6  # worker -> coordinator: every thread that submits here waits (payload: responses received)
-PING = 7  # worker -> coordinator: are you there? (payload: the ping's number; hora.engine.stall.SilentCoordinator)
-PONG = 8  # coordinator -> worker: the answer to a PING (payload: its number)
+PING = 7  # either way: are you there? (payload: the ping's number; hora.engine.stall.SilentPeer)
+PONG = 8  # either way: the answer to a PING (payload: its number)
 
 
 class RequestType(enum.IntEnum):

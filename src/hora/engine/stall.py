@@ -15,9 +15,10 @@ with the same warning and shutdown times.
 
 Both clocks run in rank 0's engine or in a data phase, so neither sees a rank 0 that is
 frozen while the workers wait for its responses (its TCP stack still acknowledges what
-they send). Each worker keeps a third clock for that (``SilentCoordinator``): after the
-warning time without a word from rank 0 it asks (a PING, which rank 0 answers from any
-pass or data-plane wait), and a question left unanswered ends the job like the others.
+they send). Each worker keeps a third clock for that (``SilentPeer``): after the warning
+time without a word from rank 0 it asks (a PING, which rank 0 answers from any pass or
+data-plane wait), and a question left unanswered ends the job like the others. Rank 0,
+once it has shut down, keeps one on each worker it still waits for.
 """
 
 from __future__ import annotations
@@ -145,37 +146,47 @@ class DataPhaseStall:
         return due if shutdown is None else min(due, shutdown)
 
 
-class SilentCoordinator:
-    """A worker's clock on rank 0 while it waits for rank 0's responses.
+class SilentPeer:
+    """One rank's clock on a peer it waits for over a control link, which only a pass of
+    the peer's engine answers.
 
-    The silence starts anew whenever rank 0 sends anything or this worker sends it
-    requests (``heard``). Once a waiting worker has heard nothing for the warning time,
-    it sends a PING; an alive rank 0 answers within a pass, however long it itself waits
-    for other ranks (its stall inspector reports those). A PING unanswered for the
-    warning time is reported, and again every warning time after; unanswered for the
-    shutdown time less the warning time (so the silence lasted the whole shutdown time)
-    it fails the job, naming rank 0.
+    A worker keeps one on rank 0 while it waits for rank 0's responses; rank 0, once it
+    has shut down, keeps one on each worker it still coordinates until that worker shuts
+    down too. The silence starts anew whenever the peer sends anything, or this rank
+    sends it work (``heard``). Once this rank, waiting, has heard nothing for the warning
+    time, it sends a PING; an alive peer answers within a pass, however long it waits for
+    others itself (its stall clocks report those). A PING unanswered for the warning time
+    is reported, and again every warning time after; unanswered for the shutdown time
+    less the warning time (so the silence lasted the whole shutdown time) it fails the
+    job, naming the peer.
 
     Args:
         inspector: supplies the warning and shutdown times and the disable flag.
-        rank: this worker's global rank, for messages.
-        host: rank 0's host, for messages.
+        rank: this rank, for messages.
+        peer: the peer, as messages name it (``rank 3 on host h``).
+        waiting_for: what this rank waits for, as messages say it (``its responses``).
         clock: returns seconds; injectable for tests.
 
     Attributes:
         due_at: the clock's time of the next step (a PING, a warning, the end); ``inf``
-            with stall checks off. A worker's sleep ends by then, waiting or not: one
-            spare wake-up per warning time costs less than asking, on every sleep,
-            whether anything waits.
+            with stall checks off. A sleep ends by then, waiting or not: one spare
+            wake-up per warning time costs less than asking, on every sleep, whether
+            anything waits.
         pings: PINGs sent so far: the next one's number.
     """
 
     def __init__(
-        self, inspector: StallInspector, rank: int, host: str, clock: Callable[[], float] = time.monotonic
+        self,
+        inspector: StallInspector,
+        rank: int,
+        peer: str,
+        waiting_for: str,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._inspector = inspector
         self._rank = rank
-        self._host = host
+        self._peer = peer
+        self._waiting_for = waiting_for
         self._clock = clock
         self._quiet_since = 0.0
         self._pinged_at: float | None = None  # the unanswered PING's time, if one is
@@ -184,7 +195,7 @@ class SilentCoordinator:
         self.heard()
 
     def heard(self) -> None:
-        """Rank 0 sent something, or this worker sent it requests."""
+        """The peer sent something, or this rank sent it work."""
         self._quiet_since = self._clock()
         self._pinged_at = None
         if self._inspector.enabled:
@@ -194,14 +205,14 @@ class SilentCoordinator:
         """Takes the step that is due, if any (cheap when none is: a pass calls it).
 
         Args:
-            waiting: this worker waits for a response from rank 0 (asked only when a
-                step is due; not waiting, the silence starts anew).
+            waiting: this rank waits for the peer (asked only when a step is due; not
+                waiting, the silence starts anew).
 
         Returns:
             True when a PING is due: the caller sends it, numbered ``pings - 1``.
 
         Raises:
-            StalledError: rank 0 left a PING unanswered past the shutdown time.
+            StalledError: the peer left a PING unanswered past the shutdown time.
         """
         now = self._clock()
         if now < self.due_at:
@@ -218,13 +229,13 @@ class SilentCoordinator:
             self.pings += 1
         else:
             message = (
-                f"rank 0 (the coordinator) on host {self._host} has sent nothing for {now - self._quiet_since:.0f} s "
-                f"while this rank waits for its responses, nor answered a ping for {now - pinged_at:.0f} s "
+                f"{self._peer} has sent nothing for {now - self._quiet_since:.0f} s while rank {self._rank} "
+                f"waits for {self._waiting_for}, nor answered a ping for {now - pinged_at:.0f} s "
                 "(a process frozen or stopped by a signal, swapping, or a wedged device)"
             )
             if shutdown is not None and now - pinged_at >= shutdown - inspector.warn_after:
                 raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
-            log.warning("%s; it resumes if rank 0 does", message, extra=logs.at(self._rank))
+            log.warning("%s; it resumes if the peer does", message, extra=logs.at(self._rank))
         self.due_at = now + inspector.warn_after
         if shutdown is not None:
             self.due_at = min(self.due_at, pinged_at + shutdown - inspector.warn_after)
