@@ -122,6 +122,34 @@ def test_scatter_allgather_broadcast_from_every_root(size: int, count: int) -> N
             assert np.array_equal(got, np.arange(count, dtype=np.float64)), f"root {root}, rank {rank}"
 
 
+@pytest.mark.parametrize("size", range(1, 10))
+def test_tree_broadcast_from_every_root_in_log2_rounds(size: int) -> None:
+    rounds = (size - 1).bit_length()
+    for root in range(size):
+        sends: dict[int, list[int]] = {}
+        receives: dict[int, list[int]] = {}
+
+        def job(channel: ThreadChannel) -> np.ndarray:
+            class Counting:
+                rank, size = channel.rank, channel.size
+
+                def exchange(self, out: list, into: list) -> None:
+                    sends.setdefault(self.rank, []).extend(peer for peer, _ in out)
+                    receives.setdefault(self.rank, []).extend(peer for peer, _ in into)
+                    channel.exchange(out, into)
+
+            buffer = np.arange(1001, dtype=np.float64) if channel.rank == root else np.full(1001, -1.0)
+            pointwise.tree_broadcast(Counting(), buffer, root)  # type: ignore[arg-type]
+            return buffer
+
+        for rank, got in enumerate(run_threads(size, job)):
+            assert np.array_equal(got, np.arange(1001, dtype=np.float64)), f"root {root}, rank {rank}"
+        # Every rank but the root receives once; the root sends once a round.
+        assert sorted(r for r, peers in receives.items() for _ in peers) == [r for r in range(size) if r != root]
+        assert len(sends.get(root, [])) == rounds
+        assert sorted(p for peers in sends.values() for p in peers) == [r for r in range(size) if r != root]
+
+
 class ThreadPipe:
     """A one-way byte stream between two thread ranks, holding at most ``capacity`` bytes
     (what a socket's buffers hold: a sender that runs ahead must wait)."""

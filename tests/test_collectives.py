@@ -134,9 +134,10 @@ def broadcast_job() -> list[str]:
                 _compare(case, hvd.broadcast(mine, root, name=case), want, dtype, problems)
                 hvd.broadcast_(mine, root_rank=root, name=case + " in place")
                 _compare(case + " in place", mine, want, dtype, problems)
-    # Large buffers take other algorithms over TCP: 256 KiB at 4 ranks scatters and
-    # allgathers, the rest streams along the ring as a chain (an odd size: a short last chunk).
-    for count in (64 * 1024, 700_001):
+    # Larger buffers take other algorithms over TCP at 3+ ranks: 64 KiB goes along a binomial
+    # tree, 256 KiB at 4 ranks scatters and allgathers, the rest streams along the ring as a
+    # chain (an odd size: a short last chunk).
+    for count in (16 * 1024, 64 * 1024, 700_001):
         for root in range(n):
             case = f"broadcast of {count} float32 from root {root}"
             want = np.arange(count, dtype=np.float32) + root

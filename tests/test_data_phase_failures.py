@@ -128,6 +128,7 @@ CASES = [
     ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
     ("broadcast", 16 * MiB, "tcp", 3, 0, "ring send", 10),  # the chain along the ring: rank 0 forwards
     ("broadcast", 256 << 10, "tcp", 4, 1, "tcp exchange", 2),  # scatter, then the ring allgather
+    ("broadcast", 64 << 10, "tcp", 4, 0, "tcp exchange", 2),  # the binomial tree: rank 0 forwarding to rank 2
     ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
     ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
     ("reducescatter", 16 * MiB, "shm", 3, 1, "shm barrier", 3),

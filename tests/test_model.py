@@ -22,6 +22,9 @@ def test_counts_of_each_algorithm() -> None:
     assert model.scatter_allgather_broadcast(4, 400) == (4, 600)
     assert model.chain_broadcast(4, 64 << 20) == (3, (64 << 20) + 2 * (512 << 10))  # 512 KiB chunks
     assert model.chain_broadcast(2, 400) == model.direct_broadcast(2, 400)
+    assert model.tree_broadcast(8, 10) == (3, 30)
+    assert model.tree_broadcast(5, 10) == (3, 30)  # 4 -> 8 ranks take the same rounds
+    assert model.tree_broadcast(4, 10) == (2, 20)
 
 
 def test_hora_choice_follows_the_engine_switch_points() -> None:
@@ -33,7 +36,11 @@ def test_hora_choice_follows_the_engine_switch_points() -> None:
     assert model.hora_broadcast(3, big) == model.chain_broadcast(3, big)
     assert model.hora_broadcast(8, 64 << 20) == model.chain_broadcast(8, 64 << 20)
     assert model.hora_broadcast(2, big) == model.direct_broadcast(2, big)
-    assert model.hora_broadcast(3, big - 4) == model.direct_broadcast(3, big - 4)
+    assert model.hora_broadcast(3, big - 4) == model.tree_broadcast(3, big - 4)
+    tree = algorithms.TREE_BROADCAST_MIN_BYTES
+    assert model.hora_broadcast(8, tree) == model.tree_broadcast(8, tree)
+    assert model.hora_broadcast(8, tree - 4) == model.direct_broadcast(8, tree - 4)
+    assert model.hora_broadcast(2, tree) == model.direct_broadcast(2, tree)
 
 
 def test_fit_recovers_known_constants_from_noisy_times() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from hora.collectives import pipeline
-from hora.engine.algorithms import DOUBLING_MAX_BYTES, SCATTER_BROADCAST_MIN_BYTES
+from hora.engine.algorithms import DOUBLING_MAX_BYTES, SCATTER_BROADCAST_MIN_BYTES, TREE_BROADCAST_MIN_BYTES
 
 Cost = tuple[float, float]
 """(steps, wire bytes) of one collective."""
@@ -97,6 +97,13 @@ def direct_broadcast(n: int, size: float) -> Cost:
     return (1, (n - 1) * size) if n > 1 else (0, 0)
 
 
+def tree_broadcast(n: int, size: float) -> Cost:
+    """Along a binomial tree (``pointwise.tree_broadcast``): ceil(log2 n) transfers of the
+    whole buffer, one after the other."""
+    steps = (n - 1).bit_length()
+    return (steps, steps * size)
+
+
 def scatter_allgather_broadcast(n: int, size: float) -> Cost:
     """Scatter 1/n to each rank, then a ring allgather."""
     return (n, 2 * (n - 1) / n * size) if n > 1 else (0, 0)
@@ -121,6 +128,8 @@ def hora_broadcast(n: int, size: float) -> Cost:
     """What hora's TCP path runs for broadcast (``TcpCollectives.broadcast``)."""
     if n > 2 and size >= SCATTER_BROADCAST_MIN_BYTES:
         return chain_broadcast(n, size) if pipeline.chains(n, int(size)) else scatter_allgather_broadcast(n, size)
+    if n > 2 and size >= TREE_BROADCAST_MIN_BYTES:
+        return tree_broadcast(n, size)
     return direct_broadcast(n, size)
 
 

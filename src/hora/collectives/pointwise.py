@@ -24,6 +24,31 @@ def broadcast(channel: Channel, buffer: np.ndarray, root: int) -> None:
         channel.exchange([], [(root, buffer)])
 
 
+def tree_broadcast(channel: Channel, buffer: np.ndarray, root: int) -> None:
+    """``broadcast`` along a binomial tree: ``ceil(log2 n)`` rounds instead of the root's
+    ``n - 1`` sends.
+
+    Numbered from the root (``v = (rank - root) mod n``), rank ``v > 0`` receives the
+    buffer from ``v - 2^floor(log2 v)``, then sends it on to ``v + 2^k`` for every ``k``
+    from ``bit_length(v)`` while that is below ``n``, one after the other: the first child
+    has the largest subtree, so it starts forwarding first. Every rank has the buffer after
+    ``ceil(log2 n)`` transfers of it in a row, where the root sending to each rank takes
+    ``n - 1`` on the root's link: the better choice for buffers whose transfer outweighs a
+    step's latency and that are too small for ``scatter_allgather_broadcast``'s ``n`` steps.
+    """
+    n = channel.size
+    if n == 1 or buffer.size == 0:
+        return
+    v = (channel.rank - root) % n
+    if v > 0:
+        parent = v - (1 << (v.bit_length() - 1))
+        channel.exchange([], [((parent + root) % n, buffer)])
+    step = 1 << v.bit_length()
+    while v + step < n:
+        channel.exchange([((v + step + root) % n, buffer)], [])
+        step <<= 1
+
+
 def scatter_allgather_broadcast(channel: Channel, buffer: np.ndarray, root: int) -> None:
     """``broadcast`` in two bandwidth-optimal phases (van de Geijn's broadcast).
 
