@@ -99,6 +99,7 @@ class Config:
     cycle_time_ms: float = 0.0
     cache_capacity: int = 1024
     ride_bytes: int = 4096
+    socket_buffer_bytes: int = 0  # 0: the kernel's autotuning
     spin_us: int | None = None  # None: chosen by the machine's ranks and cores (engine.waiting)
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0

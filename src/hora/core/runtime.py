@@ -289,6 +289,8 @@ def _connect(config: Config, generation: int) -> tuple[Mesh, bytes]:
             config.start_timeout,
             bind,
         )
+        if config.socket_buffer_bytes:
+            mesh.size_buffers(config.socket_buffer_bytes)  # HORA_SOCKET_BUFFER_BYTES
         return mesh, rendezvous.secret
     finally:
         # Once rank 0's mesh is complete every rank is done with the rendezvous.

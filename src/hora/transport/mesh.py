@@ -69,6 +69,17 @@ class Mesh:
     def links(self) -> list[tcp.Link]:
         return [*self.data.values(), *self.control.values()]
 
+    def size_buffers(self, nbytes: int) -> None:
+        """Fixes every data link's send and receive buffer at ``nbytes`` (the kernel
+        doubles what it is given, for its bookkeeping), turning its autotuning off.
+
+        Raises:
+            OSError: the kernel refused the option.
+        """
+        for link in self.data.values():
+            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
+
 
 def _peer_key(generation: int, rank: int) -> str:
     return f"mesh/{generation}/{rank}"
