@@ -35,57 +35,57 @@ def test_a_silent_coordinator_is_pinged_warned_about_then_ends_the_job(caplog):
     watch = silence(clock, HORA_STALL_CHECK_TIME_SECONDS="10", HORA_STALL_SHUTDOWN_TIME_SECONDS="30")
     assert watch.due_at == 110.0
     clock.now = 109.0
-    assert watch.check(waiting=True) is False  # not yet
+    assert watch.check(lambda: True) is False  # not yet
     clock.now = 110.0
-    assert watch.check(waiting=True) is True and watch.pings == 1  # the caller sends PING 0
-    assert watch.check(waiting=True) is False  # one PING until it is answered
+    assert watch.check(lambda: True) is True and watch.pings == 1  # the caller sends PING 0
+    assert watch.check(lambda: True) is False  # one PING until it is answered
     assert watch.due_at == 120.0  # the first warning
     clock.now = 120.0
     with caplog.at_level(logging.WARNING, logger="hora.engine.stall"):
-        assert watch.check(waiting=True) is False
+        assert watch.check(lambda: True) is False
     assert "rank 0 (the coordinator) on host host-a has sent nothing for 20 s" in caplog.text
     assert "nor answered a ping for 10 s" in caplog.text
     # The end: the PING unanswered for the shutdown time less the warning time, 30 s of silence in all.
     assert watch.due_at == 130.0
     clock.now = 130.0
     with pytest.raises(StalledError, match="has sent nothing for 30 s .* shutting the job down after 30 s"):
-        watch.check(waiting=True)
+        watch.check(lambda: True)
 
 
 def test_an_answer_or_a_request_starts_the_silence_anew():
     clock = Clock()
     watch = silence(clock, HORA_STALL_CHECK_TIME_SECONDS="10", HORA_STALL_SHUTDOWN_TIME_SECONDS="30")
     clock.now = 110.0
-    assert watch.check(waiting=True) is True
+    assert watch.check(lambda: True) is True
     clock.now = 111.0
     watch.heard()  # the PONG
     assert watch.due_at == 121.0
     clock.now = 140.0  # long after: a second PING, never the end
-    assert watch.check(waiting=True) is True and watch.pings == 2
+    assert watch.check(lambda: True) is True and watch.pings == 2
     clock.now = 145.0
-    assert watch.check(waiting=True) is False
+    assert watch.check(lambda: True) is False
 
 
 def test_a_worker_that_waits_for_nothing_never_pings_and_checks_can_be_off():
     clock = Clock()
     watch = silence(clock, HORA_STALL_CHECK_TIME_SECONDS="10", HORA_STALL_SHUTDOWN_TIME_SECONDS="30")
     clock.now = 1000.0
-    assert watch.check(waiting=False) is False and watch.pings == 0
+    assert watch.check(lambda: False) is False and watch.pings == 0
     assert watch.due_at == 1010.0  # the silence starts anew
     off = silence(clock, HORA_STALL_CHECK_DISABLE="1")
     clock.now = 5000.0
-    assert off.due_at == float("inf") and off.check(waiting=True) is False
+    assert off.due_at == float("inf") and off.check(lambda: True) is False
 
 
 def test_without_a_shutdown_time_it_only_warns(caplog):
     clock = Clock()
     watch = silence(clock, HORA_STALL_CHECK_TIME_SECONDS="10")
     clock.now = 110.0
-    assert watch.check(waiting=True) is True
+    assert watch.check(lambda: True) is True
     with caplog.at_level(logging.WARNING, logger="hora.engine.stall"):
         for step in range(1, 20):
             clock.now = 110.0 + 10 * step
-            assert watch.check(waiting=True) is False
+            assert watch.check(lambda: True) is False
     assert caplog.text.count("nor answered a ping") == 19
 
 

@@ -316,8 +316,8 @@ KNOBS: tuple[Knob, ...] = (
          (), "spin_us", shown_default="300, or 0 with more local ranks than cores"),
     Knob("HORA_SOCKET_BUFFER_BYTES", Integer(0, 1 << 30), 0, "runtime",
          "send and receive buffer of each TCP data link, set on both ends (SO_SNDBUF and SO_RCVBUF, as Open "
-         "MPI's btl_tcp_sndbuf/rcvbuf); 0 leaves them to the kernel's autotuning. 1 MiB moved 16-64 MiB "
-         "allreduces 20% faster on 8 emulated hosts at 10 Gbit/s, and slowed TCP on one machine "
+         "MPI's btl_tcp_sndbuf/rcvbuf); 0 leaves them to the kernel's autotuning. 1 MiB made 64 MiB "
+         "allreduces 20-30% faster on 8 emulated hosts at 10 Gbit/s, and slowed TCP on one machine "
          "(docs/performance.md)", (), "socket_buffer_bytes"),
     Knob("HORA_RIDE_BYTES", Integer(0, 1 << 16), 4096, "runtime",
          "bytes of small allreduce and broadcast data a rank sends to the coordinator along with one frame of "

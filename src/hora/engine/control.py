@@ -324,16 +324,20 @@ class ControlPlane:
         Raises:
             JobFailed: an abort, or the peer lost.
         """
+        pings = []
         for kind, payload in link.frames:
             if kind in (messages.ABORT, messages.FAILURE):
                 raise JobFailed(messages.decode_reason(payload), settled=True)
             if kind == messages.SHUTDOWN:
                 self.farewells.add(link.peer)
-            if kind == messages.PING and not link.sending:
-                # Answered now: this data phase may outlast the peer's patience.
-                self.answer_ping(link, messages.decode_count(payload))
+            if kind == messages.PING:
+                pings.append(messages.decode_count(payload))
         if link.closed_by_peer and link.peer not in self.farewells:
             raise JobFailed(self.lost(link, link.close_detail))
+        # Answered now (this data phase may outlast the peer's patience), after the loop: a
+        # send that waits reads this link into ``frames`` again.
+        if pings and not link.sending:
+            self.answer_ping(link, max(pings))
 
     def answer_ping(self, link: Link, number: int) -> None:
         """Answers a peer's PING, once (a data-plane wait may see it first, the next
@@ -349,12 +353,9 @@ class ControlPlane:
         Raises:
             StalledError: a peer left a PING unanswered past the shutdown time.
         """
-        now = time.monotonic()
+        # A worker waits for rank 0's responses; rank 0 has left and waits for each worker.
+        waiting = self.awaits_coordinator if self.coordinator is None else lambda: True
         for peer, silence in list(self.silences.items()):
-            if now < silence.due_at:
-                continue
-            # A worker waits for rank 0's responses; rank 0 has left and waits for each worker.
-            waiting = self.awaits_coordinator() if self.coordinator is None else True
             if silence.check(waiting) and peer in self.links:
                 self.links[peer].send_frame(messages.PING, messages.encode_count(silence.pings - 1), self.watch)
 

@@ -201,12 +201,12 @@ class SilentPeer:
         if self._inspector.enabled:
             self.due_at = self._quiet_since + self._inspector.warn_after
 
-    def check(self, waiting: bool) -> bool:
+    def check(self, waiting: Callable[[], bool]) -> bool:
         """Takes the step that is due, if any (cheap when none is: a pass calls it).
 
         Args:
-            waiting: this rank waits for the peer (asked only when a step is due; not
-                waiting, the silence starts anew).
+            waiting: says whether this rank waits for the peer (asked only when a step
+                is due; not waiting, the silence starts anew).
 
         Returns:
             True when a PING is due: the caller sends it, numbered ``pings - 1``.
@@ -217,7 +217,7 @@ class SilentPeer:
         now = self._clock()
         if now < self.due_at:
             return False
-        if not waiting:
+        if not waiting():
             self.heard()
             return False
         inspector = self._inspector
