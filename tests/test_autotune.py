@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +13,19 @@ import numpy as np
 import pytest
 
 from harness import run_ranks
+from hora.collectives import shm_ops
+from hora.collectives.reduce import DataType, reducer
 from hora.config import Config
 from hora.config.knobs import MIB
 from hora.engine import autotune
 from hora.engine.autotune import HEADER, Params, Tuner
 from hora.engine.bayes import BayesianOptimizer
 from hora.engine.messages import Response, ResponseType, decode_responses, encode_responses
+from hora.engine.shm_group import ShmGroup
 from hora.errors import ProtocolError
+from hora.transport import shm
+
+SCORE = HEADER.index("score")
 
 
 def _maximise(f: Any, dims: int, budget: int, seed: int) -> np.ndarray:
@@ -52,7 +60,7 @@ def test_the_optimiser_is_deterministic_for_a_seed() -> None:
 
 @pytest.mark.unit
 def test_a_parameter_change_survives_the_wire() -> None:
-    params = Params(3 * MIB + 65536, 1250)
+    params = Params(3 * MIB + 65536, 1250, 4 * MIB)
     (decoded,) = decode_responses(encode_responses([params.response()]))
     assert decoded.type == ResponseType.PARAMS
     assert Params.from_response(decoded) == params
@@ -61,8 +69,9 @@ def test_a_parameter_change_survives_the_wire() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "sizes",
-    [[], [autotune.PARAMS_FORMAT, 1], [autotune.PARAMS_FORMAT + 1, 1, 2], [autotune.PARAMS_FORMAT, -1, 0],
-     [autotune.PARAMS_FORMAT, 1, 2, 3]],
+    [[], [autotune.PARAMS_FORMAT, 1], [autotune.PARAMS_FORMAT + 1, 1, 2, 0], [autotune.PARAMS_FORMAT, -1, 0, 0],
+     [autotune.PARAMS_FORMAT, 1, 2, -1], [autotune.PARAMS_FORMAT, 1, 2, autotune.MAX_STAGING_BYTES + 1],
+     [autotune.PARAMS_FORMAT, 1, 2], [autotune.PARAMS_FORMAT, 1, 2, 3, 4]],
 )  # fmt: skip
 def test_a_malformed_parameter_change_is_a_protocol_error(sizes: list[int]) -> None:
     with pytest.raises(ProtocolError):
@@ -105,9 +114,10 @@ def test_the_tuner_scores_samples_logs_them_and_settles_on_the_best(tmp_path: Pa
     rows = list(csv.reader(log.open()))
     assert tuple(rows[0]) == HEADER
     assert len(rows) == 9
-    best_row = max(rows[1:], key=lambda row: float(row[-1]))
+    best_row = max(rows[1:], key=lambda row: float(row[SCORE]))
     best, best_score = max(tuner.scored, key=lambda scored: scored[1])
-    assert float(best_row[-1]) == best_score
+    assert float(best_row[SCORE]) == best_score
+    assert all(float(row[-1]) == 0 for row in rows[1:]), "no shared memory: no staging size"
     assert float(best_row[4]) == best.cycle_time_ms and float(best_row[5]) * MIB == best.fusion_threshold
     assert tuner.current == best == changes[-1]
     # Scores are bytes per second of the sample's steps: 2 MiB a step.
@@ -122,6 +132,75 @@ def test_the_tuner_leaves_parameters_set_by_hand() -> None:
     changes = _run_steps(tuner, lambda params: 1.0 + params.fusion_threshold / MIB / 128, steps=60)
     assert changes and all(change.cycle_time_us == 2000 for change in changes)
     assert not Tuner(_tuner_config(None), fixed=[autotune.CYCLE, autotune.FUSION]).active
+    # The staging size is tuned only where rank 0 shares memory, and not when set by hand.
+    assert Tuner(_tuner_config(None), fixed=[autotune.CYCLE, autotune.FUSION], staging_bytes=2 * MIB).active
+    by_hand = Tuner(_tuner_config(None), fixed=[autotune.STAGING], staging_bytes=2 * MIB)
+    changes = _run_steps(by_hand, lambda params: 1.0 + params.fusion_threshold / MIB / 128, steps=60)
+    assert changes and all(change.staging_bytes == 2 * MIB for change in changes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_tuner_finds_the_best_staging_size(seed: int) -> None:
+    tuner = Tuner(_tuner_config(None), fixed=[autotune.CYCLE, autotune.FUSION], seed=seed, staging_bytes=2 * MIB)
+    assert tuner.current.staging_bytes == 2 * MIB
+
+    def seconds(params: Params) -> float:  # fastest at 4 MiB
+        return 1.0 + abs(np.log2(params.staging_bytes / (4 * MIB)))
+
+    changes = _run_steps(tuner, seconds, steps=60)
+    assert not tuner.active
+    tried = {params.staging_bytes for params, _ in tuner.scored}
+    assert tried <= {m * MIB for m in range(1, 17)}, "whole MiB from 1 to 16"
+    assert changes[-1].staging_bytes == 4 * MIB
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not shm.supported(), reason="shared memory needs an x86-64 Linux machine")
+def test_shared_memory_collectives_switch_staging_sizes_between_collectives() -> None:
+    """Three thread ranks, each with its own domain: every rank switches the staging size
+    at the same point, allreduces stay right, and a round fills only what it is told."""
+    n, reserve = 3, 64 * 1024
+    key = shm.job_key(secrets.token_bytes(16))
+    domains = [shm.Domain(key, 0, range(n), rank, reserve // 2, 8 * 1024 // 2) for rank in range(n)]
+    for domain in domains:
+        domain.attach()
+    for domain in domains:
+        domain.unlink()
+    sizes = [16 * 1024, 64 * 1024, 4 * 1024, 1 * 1024]  # staging bytes, switched to in turn
+    results: list[object] = [None] * n
+    used: list[list[int]] = [[] for _ in range(n)]
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = ShmGroup(domains[rank], tuple(range(n)))
+            sums = []
+            for staging in sizes:
+                domains[rank].use_staging(staging)
+                used[rank].append(group.half_bytes)
+                for count in (1, 5_000, 40_000):  # one round, several, many
+                    data = np.arange(count, dtype=np.float32) * (rank + 1)
+                    shm_ops.allreduce(group, data, reducer(1, DataType.FLOAT32))
+                    sums.append(bool(np.array_equal(data, np.arange(count, dtype=np.float32) * 6)))
+            results[rank] = sums
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[rank] = exc
+
+    try:
+        for rank in range(n):  # the area past what the rounds use stays as it was
+            domains[rank].stage(rank, 0)[8 * 1024 :] = 0xEE
+        domains[0].use_staging(2 * reserve)  # more than was mapped: all of it
+        assert domains[0].round_bytes == reserve // 2
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert all(result == [True] * 12 for result in results), results
+        assert used == [[8 * 1024, 32 * 1024, 4096, 4096]] * n, "half the size, page aligned, at most the half"
+    finally:
+        for domain in domains:
+            domain.close()
 
 
 def autotune_job(steps: int) -> dict[str, Any]:
@@ -153,6 +232,7 @@ def autotune_job(steps: int) -> dict[str, Any]:
         "cycle_time_ms": engine.control.cycle_time_ms,
         "tuner_active": None if tuner is None else tuner.active,
         "threshold": None if engine.control.coordinator is None else engine.control.coordinator.fusion_threshold,
+        "staging": None if engine.control.domain is None else 2 * engine.control.domain.round_bytes,
     }
     hvd.shutdown()
     return result
@@ -180,12 +260,14 @@ def test_every_rank_switches_alike_and_ends_on_the_logged_best(size: int, tmp_pa
     rows = list(csv.reader(log.open()))
     assert tuple(rows[0]) == HEADER
     assert len(rows) == 1 + 4
-    best = max(rows[1:], key=lambda row: float(row[-1]))
-    final_threshold, final_cycle = applied[-1]
-    assert (float(best[5]) * MIB, float(best[4])) == (final_threshold, final_cycle)
+    best = max(rows[1:], key=lambda row: float(row[SCORE]))
+    final_threshold, final_cycle, final_staging = applied[-1]
+    assert (float(best[5]) * MIB, float(best[4]), float(best[-1]) * MIB) == (final_threshold, final_cycle, final_staging)
     assert results[0]["threshold"] == final_threshold
+    assert len({staging for _, _, staging in applied}) > 1, "the staging size was not tuned"
     for result in results:
         assert result["cycle_time_ms"] == final_cycle
+        assert result["staging"] == final_staging
 
 
 def malformed_change_job() -> str:

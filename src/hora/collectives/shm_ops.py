@@ -41,7 +41,7 @@ class SharedGroup(Protocol):
 
     @property
     def half_bytes(self) -> int:
-        """The size of each staging half."""
+        """How much of each staging half one round fills (the same on every member)."""
 
     def stage(self, member: int, half: int) -> np.ndarray:
         """A member's staging half, as bytes."""

@@ -30,7 +30,7 @@ __all__ = ["DEFAULT_FUSION_THRESHOLD", "LAUNCHERS", "Config", "Extras", "Topolog
            "ssh_options"]  # fmt: skip
 
 # The knobs autotune tunes unless they are set (Config.autotune_fixed).
-AUTOTUNED = ("HORA_FUSION_THRESHOLD", "HORA_CYCLE_TIME")
+AUTOTUNED = ("HORA_FUSION_THRESHOLD", "HORA_CYCLE_TIME", "HORA_SHM_STAGING_MB")
 # Where a job's topology came from (Config.launcher).
 LAUNCHERS = ("none", "horarun", "openmpi", "mpich", "slurm", "torchrun")
 

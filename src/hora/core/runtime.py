@@ -21,6 +21,7 @@ import numpy as np
 from hora.core.bootstrap import advertise, open_rendezvous, topology_from_hosts
 from hora.collectives.reduce import DataType
 from hora.config import Config
+from hora.engine.autotune import MAX_STAGING_BYTES
 from hora.engine.engine import CALLED_SHUTDOWN, Engine, check_interpreter
 from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
@@ -65,7 +66,9 @@ class Runtime:
         domain = None
         sharing = None
         if mesh is not None and config.shared_memory:
-            domain = connect_domain(mesh, secret, generation, config.shm_staging_bytes)
+            # Autotune may try staging sizes up to its largest: map that much from the start.
+            reserve = MAX_STAGING_BYTES if config.autotune and config.shm_staging_bytes is None else 0
+            domain = connect_domain(mesh, secret, generation, config.shm_staging_bytes, reserve)
             sharing = sharing_everywhere(mesh, domain)
         self.engine = Engine(config, mesh, domain, sharing)
         self.engine.start()

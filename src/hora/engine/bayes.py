@@ -19,6 +19,7 @@ has no information and expected improvement is the prior's, so the proposals exp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -121,9 +122,16 @@ class BayesianOptimizer:
         self.points.append(np.clip(np.asarray(point, dtype=np.float64), 0.0, 1.0))
         self.scores.append(float(score))
 
-    def suggest(self) -> Array:
+    def suggest(self, fresh: Callable[[Array], bool] | None = None) -> Array:
         """The next point to measure: the candidate of the highest expected improvement
-        (a random point while nothing has been observed)."""
+        (a random point while nothing has been observed).
+
+        Args:
+            fresh: says whether a candidate is worth measuring (a caller that rounds
+                points to a grid passes "its grid point was not measured yet"); the
+                best candidate it accepts is chosen, or the best of all if it accepts
+                none. Asked in order of expected improvement, so usually a few times.
+        """
         candidates = self._rng.random((CANDIDATES, self.dims))
         if not self.points:
             result: Array = candidates[0]
@@ -131,8 +139,13 @@ class BayesianOptimizer:
         x = np.stack(self.points)
         y = np.asarray(self.scores, dtype=np.float64)
         self._gp.fit(x, y)
-        ei = self.expected_improvement(candidates)
-        chosen: Array = candidates[int(np.argmax(ei))]
+        order = np.argsort(-self.expected_improvement(candidates), kind="stable")
+        if fresh is not None:
+            for index in order.tolist():
+                if fresh(candidates[index]):
+                    accepted: Array = candidates[index]
+                    return accepted
+        chosen: Array = candidates[int(order[0])]
         return chosen
 
     def expected_improvement(self, candidates: Array) -> Array:

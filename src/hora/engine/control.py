@@ -53,6 +53,7 @@ from hora.engine.riders import riders
 from hora.engine.stall import SilentPeer, StallInspector
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
+from hora.transport.shm import Domain
 from hora.transport.tcp import Link, PeerProtocolError, Watch
 
 LINGER_NOTICE = 30.0  # seconds after its shutdown() before rank 0 says whom it waits for
@@ -119,6 +120,7 @@ class ControlPlane:
         lane: FastLane | None,
         watch_for: Callable[[Callable[[Link], None]], Watch],
         hostname: str,
+        domain: Domain | None = None,
     ) -> None:
         self.rank = config.topology.rank
         self.size = config.topology.size
@@ -145,7 +147,9 @@ class ControlPlane:
             self.silences[0] = SilentPeer(StallInspector(config), self.rank, coordinator, "its responses")
         self.pings_answered: dict[int, int] = {}
         # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
-        self.tuner = Tuner(config) if config.autotune and self.coordinator is not None else None
+        self.domain = domain  # its staging size is autotune's to change
+        staging = 2 * domain.round_bytes if domain is not None else 0
+        self.tuner = Tuner(config, staging_bytes=staging) if config.autotune and self.coordinator is not None else None
         self.applied: list[Params] = []  # the parameter changes this rank applied, in order
         executor.on_params = self.apply_params
         self.responses: deque[Response] = deque()
@@ -527,6 +531,8 @@ class ControlPlane:
         """
         params = Params.from_response(response)
         self.cycle_time_ms = params.cycle_time_ms
+        if params.staging_bytes and self.domain is not None:
+            self.domain.use_staging(params.staging_bytes)
         self.applied.append(params)
 
     # ----- links -----

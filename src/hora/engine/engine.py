@@ -105,8 +105,8 @@ class EngineStats:
             if free (a thread in a pass, or waiting for a handle, holds it: then False).
             On rank 0 the coordinator may still hold other ranks' requests.
         autotuned: the autotune parameter changes this rank applied, in order, each as
-            (fusion threshold in bytes, cycle time in ms): the same on every rank once
-            each has executed as far (``hora.engine.autotune``).
+            (fusion threshold in bytes, cycle time in ms, staging bytes): the same on
+            every rank once each has executed as far (``hora.engine.autotune``).
         lane_pending: this rank has a fast-lane proposal awaiting the others' answers;
             it stays pending until a pass settles it (every rank answered, or one left)
             or the job fails. Read without the engine's lock (one attribute, racy like
@@ -120,7 +120,7 @@ class EngineStats:
     hierarchical_allgather: bool
     idle: bool
     lane_pending: bool
-    autotuned: tuple[tuple[int, float], ...] = ()
+    autotuned: tuple[tuple[int, float, int], ...] = ()
 
 
 class Engine:
@@ -179,7 +179,7 @@ class Engine:
 
         self.control = ControlPlane(
             config, dict(mesh.control) if mesh is not None else {}, self.queue, self._executor, lane, watch_for,
-            config.topology.hostname,
+            config.topology.hostname, domain,
         )  # fmt: skip
         if domain is not None:
             domain.watch = self.control.watch
@@ -228,7 +228,7 @@ class Engine:
             hierarchical_allgather=bool(getattr(collectives, "hierarchical_allgather", False)),
             idle=self._idle(),
             lane_pending=lane is not None and lane.pending is not None,
-            autotuned=tuple((p.fusion_threshold, p.cycle_time_ms) for p in list(self.control.applied)),
+            autotuned=tuple((p.fusion_threshold, p.cycle_time_ms, p.staging_bytes) for p in list(self.control.applied)),
         )
 
     def _idle(self) -> bool:

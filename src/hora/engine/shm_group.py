@@ -30,7 +30,7 @@ class ShmGroup:
 
     @property
     def half_bytes(self) -> int:
-        return self._domain.half_bytes
+        return self._domain.round_bytes  # what a round fills: autotune may change it
 
     def stage(self, member: int, half: int) -> np.ndarray:
         return self._domain.stage(self._ranks[member], half)

@@ -57,7 +57,9 @@ def default_staging_bytes(local_ranks: int, cores: int) -> int:
     return (2 if local_ranks <= cores else 16) * 1024 * 1024
 
 
-def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: int | None) -> shm.Domain | None:
+def connect_domain(
+    mesh: Mesh, secret: bytes, generation: int, staging_bytes: int | None, reserve_bytes: int = 0
+) -> shm.Domain | None:
     """Maps the shared segments of this machine's ranks.
 
     Args:
@@ -66,6 +68,9 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
         generation: the job's initialization count.
         staging_bytes: each rank's staging area (two halves); None for
             ``default_staging_bytes`` (every local rank computes the same).
+        reserve_bytes: map a staging area at least this large, of which collectives use
+            ``staging_bytes`` until told otherwise (``Domain.use_staging``: autotune
+            tries other sizes). Pages nobody touches take no memory.
 
     Returns:
         The domain, or None when this rank has no local peers or shared memory is
@@ -78,9 +83,10 @@ def connect_domain(mesh: Mesh, secret: bytes, generation: int, staging_bytes: in
     domain: shm.Domain | None = None
     if staging_bytes is None:
         staging_bytes = default_staging_bytes(len(ranks), os.cpu_count() or 1)
-    half = max(4096, staging_bytes // 2 // 4096 * 4096)
+    half = max(shm.PAGE_BYTES, max(staging_bytes, reserve_bytes) // 2 // shm.PAGE_BYTES * shm.PAGE_BYTES)
     try:
-        domain = shm.Domain(shm.job_key(secret), generation, ranks, mesh.rank, half) if shm.supported() else None
+        key = shm.job_key(secret)
+        domain = shm.Domain(key, generation, ranks, mesh.rank, half, staging_bytes // 2) if shm.supported() else None
     except OSError as exc:
         log.warning("cannot create its shared memory segment (%s); using TCP", exc, extra=logs.at(mesh.rank))
     if not _all_ok(mesh, peers, domain is not None):

@@ -48,6 +48,7 @@ import numpy as np
 from hora.transport.tcp import CLOSED, LinkClosed, Patience, Watch
 
 SHM_DIR = "/dev/shm"
+PAGE_BYTES = 4096
 HEADER_BYTES = 64 * 1024  # room for 8,000 local ranks' counters, page aligned
 LANE_META = 8  # int64 flags at the start of the fast lane's area
 LANE_SLOT_HEADER = 8  # int64 fields before each lane slot's data (64 bytes: data stays aligned)
@@ -154,17 +155,24 @@ class Domain:
         generation: the job's initialization count, part of every name.
         ranks: the global ranks in the domain, sorted; ``me`` is one of them.
         me: this process's global rank.
-        half_bytes: the size of each staging half.
+        half_bytes: the size of each staging half (a multiple of the page size).
+        round_bytes: how much of each half one round of a collective fills (the
+            staging size in use, ``use_staging``); None: all of it.
 
     Raises:
         OSError: the segment or the wake-up socket could not be made.
     """
 
-    def __init__(self, key: str, generation: int, ranks: Sequence[int], me: int, half_bytes: int) -> None:
+    def __init__(
+        self, key: str, generation: int, ranks: Sequence[int], me: int, half_bytes: int, round_bytes: int | None = None
+    ) -> None:
         self.ranks = tuple(ranks)
         self.me = me
         self.index = self.ranks.index(me)
         self.half_bytes = half_bytes
+        self.round_bytes = half_bytes
+        if round_bytes is not None:
+            self.round_bytes = self._round(round_bytes)
         self._key = key
         self._generation = generation
         self._size = HEADER_BYTES + LANE_BYTES + 2 * half_bytes
@@ -195,8 +203,22 @@ class Domain:
         self.segments[self.me].unlink()
 
     def stage(self, rank: int, half: int) -> np.ndarray:
-        """The staging half ``half`` of ``rank``'s segment, as bytes."""
+        """The staging half ``half`` of ``rank``'s segment, as bytes (all of it: a round
+        fills its first ``round_bytes``)."""
         return self.segments[rank].stage(half, self.half_bytes)
+
+    def use_staging(self, staging_bytes: int) -> None:
+        """Makes each round fill ``staging_bytes / 2`` of each half (page aligned, at most
+        the half): autotune's staging size.
+
+        Every local rank must switch at the same point of the collective sequence (between
+        two collectives, each of which ends with a barrier, so no round of the old size is
+        still being read); autotune's ``PARAMS`` responses give that.
+        """
+        self.round_bytes = self._round(staging_bytes // 2)
+
+    def _round(self, nbytes: int) -> int:
+        return min(self.half_bytes, max(PAGE_BYTES, nbytes // PAGE_BYTES * PAGE_BYTES))
 
     def lane(self, rank: int) -> tuple[memoryview, tuple[tuple[memoryview, np.ndarray], ...]]:
         """``rank``'s fast-lane flags and its two slots (see ``Segment.lane_slot``)."""
