@@ -370,11 +370,12 @@ KNOBS: tuple[Knob, ...] = (
          "read and validated; grouped collectives always negotiate as one group",
          ("HOROVOD_DISABLE_GROUP_FUSION",), "disable_group_fusion"),
     Knob("HORA_AUTOTUNE", Boolean(), False, "runtime",
-         "tune the fusion threshold, the cycle time and the shared-memory staging size while training (rank 0 scores samples of training "
-         "steps by bytes allreduced per second, Bayesian optimisation picks the next point, every rank "
-         "switches at the same collective; the ones set by hand stay as set): docs/autotune.md",
+         "tune the fusion threshold, the cycle time and the shared-memory staging size while training (rank 0 "
+         "scores samples of training steps by bytes allreduced per second, Bayesian optimisation picks the next "
+         "point, every rank switches at the same collective; the ones set by hand stay as set): docs/autotune.md",
          ("HOROVOD_AUTOTUNE",), "autotune",
-         options=(Option(("--autotune",), "tune fusion, cycle time and staging size while training"),), yaml="autotune.enabled"),
+         options=(Option(("--autotune",), "tune fusion, cycle time and staging size while training"),),
+         yaml="autotune.enabled"),
     Knob("HORA_AUTOTUNE_LOG", Text(), None, "runtime",
          "a CSV file rank 0 writes a row to for each autotune sample (Horovod's columns: the parameters and "
          "the score in bytes per second; then hora's staging size)", ("HOROVOD_AUTOTUNE_LOG",), "autotune_log",
@@ -408,7 +409,8 @@ KNOBS: tuple[Knob, ...] = (
          "ranks on one machine move data through shared memory; 0 forces TCP", field="shared_memory"),
     Knob("HORA_SHM_STAGING_MB", Integer(1, 4096), None, "data plane",
          "each rank's shared staging area (two halves), MiB: small keeps a round in cache; large means fewer "
-         "barriers when ranks take turns on the cores. Unset with autotune on: tuned (docs/autotune.md)", field="shm_staging_bytes", field_unit=MIB,
+         "barriers when ranks take turns on the cores. Unset with autotune on: tuned (docs/autotune.md)",
+         field="shm_staging_bytes", field_unit=MIB,
          shown_default="2, or 16 with more local ranks than cores"),
     Knob("HORA_HIERARCHICAL_ALLREDUCE", Boolean(), None, "data plane",
          "unset: hierarchical allreduce for every process set whose layout suits it (several hosts, the same "

@@ -271,7 +271,8 @@ class Tuner:
 
     def _params(self, point: Array) -> Params:
         """The parameters at ``point`` (fixed ones as configured), rounded as they travel."""
-        fusion, cycle_us, staging = self.current.fusion_threshold, self.current.cycle_time_us, self.current.staging_bytes
+        current = self.current
+        fusion, cycle_us, staging = current.fusion_threshold, current.cycle_time_us, current.staging_bytes
         for name, u in zip(self._free, point.tolist()):
             if name == FUSION:
                 exact = 2.0 ** (MIN_FUSION_LOG2 + u * (MAX_FUSION_LOG2 - MIN_FUSION_LOG2))
