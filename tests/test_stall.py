@@ -13,7 +13,7 @@ from hora.engine.control import ControlPlane
 from hora.engine.executor import Executor
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import TensorQueue
-from hora.engine.stall import SilentPeer, StalledError, StallInspector
+from hora.engine.stall import MAX_GRACE, DataPhaseStall, SilentPeer, StalledError, StallInspector
 from hora.transport.tcp import FrameReader, Link, Watch, encode_frame
 
 
@@ -127,5 +127,87 @@ def test_rank_0_answers_each_ping_once_even_from_a_data_plane_wait():
     assert answers() == []
     control.read_control()
     assert answers() == [(messages.PONG, messages.encode_count(1))]
+    theirs.close()
+    link.close()
+
+
+class FakeArbiter:
+    def __init__(self, silent: list[int]) -> None:
+        self.probes = 0
+        self.silent = silent
+
+    def probe_workers(self) -> None:
+        self.probes += 1
+
+    def silent_workers(self) -> list[int]:
+        return self.silent
+
+
+def data_stall(defer: bool = False, silent: list[int] | None = None, **env: str) -> DataPhaseStall:
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "2", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "6", **env}
+    stall = DataPhaseStall(StallInspector(Config.from_env(env)), 1, lambda: "allreduce 'x'", defer=defer)
+    if silent is not None:
+        stall.arbiter = FakeArbiter(silent)
+    return stall
+
+
+def test_a_data_phase_stall_warns_then_ends_the_job_naming_the_peers(caplog):
+    stall = data_stall()
+    with caplog.at_level(logging.WARNING, logger="hora.engine.stall"):
+        assert stall([2], 2.0) == 4.0
+    assert "allreduce 'x' has waited 2 s in its data phase for rank(s) 2" in caplog.text
+    assert stall([2], 4.0) == 6.0  # the next warning, then the shutdown time
+    with pytest.raises(StalledError, match=r"for rank\(s\) 2, which stopped .*shutting the job down after 6 s"):
+        stall([2], 6.0)  # no rank 0 to wait for: at once
+
+
+def test_a_worker_gives_rank_0_twice_the_grace_before_naming_its_own_peers():
+    stall = data_stall(defer=True)
+    assert stall([2], 6.0) == 10.0  # the grace is the warning time, 2 s
+    with pytest.raises(StalledError, match=r"for rank\(s\) 2, which stopped"):
+        stall([2], 10.0)
+
+
+@pytest.mark.parametrize("silent", [[3], []])
+def test_rank_0_probes_the_workers_and_names_the_ones_that_did_not_answer(silent):
+    stall = data_stall(silent=silent)
+    assert stall.arbiter is not None
+    assert stall([1], 6.0) == 8.0
+    assert stall.arbiter.probes == 1  # type: ignore[attr-defined]
+    with pytest.raises(StalledError) as raised:
+        stall([1], 8.0)
+    if silent:
+        assert "rank(s) 3 stopped making progress and answer no ping" in str(raised.value)
+    else:  # everybody answered: the peers it waits for, as before
+        assert "for rank(s) 1, which stopped" in str(raised.value)
+
+
+def test_the_grace_is_the_warning_time_up_to_a_few_seconds():
+    assert data_stall().grace == 2.0
+    assert data_stall(HORA_STALL_CHECK_TIME_SECONDS="60", HORA_STALL_SHUTDOWN_TIME_SECONDS="600").grace == MAX_GRACE
+
+
+def test_rank_0_pings_every_worker_and_hears_who_answers():
+    mine, theirs = socket.socketpair()
+    link = Link(mine, 1, "host-b")
+    link.set_nonblocking()
+    theirs.setblocking(False)
+    control = coordinator_of_two(link)
+    control.probe_workers()
+    assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(0))]
+    assert control.silent_workers() == [1]
+    theirs.sendall(encode_frame(messages.PONG, messages.encode_count(0)))
+    assert link.pump()
+    control.check_urgent(link)  # heard from inside a data-plane wait
+    assert control.silent_workers() == []
+    control.probe_workers()  # a later probe needs a later answer
+    assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(1))]
+    assert control.silent_workers() == [1]
+    link.sending = True  # part-way through a frame: no PING, and silent until it answers
+    control.probe_workers()
+    link.sending = False
+    with pytest.raises(BlockingIOError):
+        theirs.recv(1 << 16)
+    assert control.silent_workers() == [1]
     theirs.close()
     link.close()

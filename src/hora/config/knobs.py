@@ -335,8 +335,9 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--stall-check-warning-time-seconds",), "seconds before a stall warning", "SECONDS"),),
          yaml="stall_check.warning_time_seconds"),
     Knob("HORA_STALL_SHUTDOWN_TIME_SECONDS", Number(), 0.0, "runtime",
-         "seconds after which such a stall fails the job on every rank; 0 (or a value not above the warning "
-         "time) never", ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",), "stall_shutdown_time_seconds",
+         "seconds after which such a stall fails the job on every rank (a data-phase stall a few seconds later: "
+         "rank 0 first pings every rank to name the frozen ones); 0 (or a value not above the warning time) "
+         "never", ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",), "stall_shutdown_time_seconds",
          options=(Option(("--stall-check-shutdown-time-seconds",), "seconds before a stall fails the job (0: never)",
                          "SECONDS"),),
          yaml="stall_check.shutdown_time_seconds"),

@@ -146,6 +146,13 @@ class ControlPlane:
             coordinator = f"rank 0 (the coordinator) on host {self.links[0].peer_host}"
             self.silences[0] = SilentPeer(StallInspector(config), self.rank, coordinator, "its responses")
         self.pings_answered: dict[int, int] = {}
+        # Rank 0's probes of the workers in a data-phase stall (DataPhaseStall): the last
+        # probe's number, whom it asked, and the highest PONG number each worker sent.
+        # Rank 0 pings nobody else before its shutdown and a stalled job ends after the
+        # probe, so these numbers never meet a SilentPeer's.
+        self.probe_number = -1
+        self.probed: set[int] = set()
+        self.pongs: dict[int, int] = {}
         # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
         self.domain = domain  # its staging size is autotune's to change
         staging = 2 * domain.round_bytes if domain is not None else 0
@@ -311,7 +318,7 @@ class ControlPlane:
         elif kind == messages.PING:
             self.answer_ping(link, messages.decode_count(payload))
         elif kind == messages.PONG:
-            pass  # the peer is there: read_control restarted the silence
+            self._note_pong(link, payload)  # read_control restarted the silence too
         elif self.coordinator is None and kind == messages.RESPONSES:
             responses = messages.decode_responses(payload)
             for response in responses:
@@ -336,6 +343,8 @@ class ControlPlane:
                 self.farewells.add(link.peer)
             if kind == messages.PING:
                 pings.append(messages.decode_count(payload))
+            if kind == messages.PONG:
+                self._note_pong(link, payload)
         if link.closed_by_peer and link.peer not in self.farewells:
             raise JobFailed(self.lost(link, link.close_detail))
         # Answered now (this data phase may outlast the peer's patience), after the loop: a
@@ -349,6 +358,31 @@ class ControlPlane:
         if number > self.pings_answered.get(link.peer, -1):
             self.pings_answered[link.peer] = number
             link.send_frame(messages.PONG, messages.encode_count(number), self.watch)
+
+    def _note_pong(self, link: Link, payload: bytes) -> None:
+        number = messages.decode_count(payload)
+        if number > self.pongs.get(link.peer, -1):
+            self.pongs[link.peer] = number
+
+    def probe_workers(self) -> None:
+        """Rank 0 in a data-phase stall: pings every worker still linked (``Arbiter``).
+
+        A worker whose link is part-way through a frame from this rank gets no PING (it
+        would land inside that frame); it counts as silent unless it answered a later
+        probe: it has not read what this rank sent it for the whole stall.
+        """
+        self.probe_number += 1
+        self.probed = set()
+        for peer, link in self.links.items():
+            if peer in self.farewells or link.closed_by_peer:
+                continue
+            self.probed.add(peer)
+            if not link.sending:
+                link.send_frame(messages.PING, messages.encode_count(self.probe_number), self.watch)
+
+    def silent_workers(self) -> list[int]:
+        """The workers the last probe asked that have not answered it (``Arbiter``)."""
+        return sorted(peer for peer in self.probed if self.pongs.get(peer, -1) < self.probe_number)
 
     def check_silences(self) -> None:
         """Pings the silent peers this rank waits for, and fails the job past the stall

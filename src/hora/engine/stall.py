@@ -11,7 +11,12 @@ The data phase has a clock of its own on every rank (``DataPhaseStall``): once e
 member has submitted a collective, its transfers wait only for peers that are running
 it, so a wait that makes no progress for the warning time means a peer stopped
 (frozen by SIGSTOP, swapping, a wedged driver). The rank that waits names those peers,
-with the same warning and shutdown times.
+with the same warning and shutdown times. The peer a rank waits for may itself be
+waiting: in a ring every rank downstream of a frozen one stops within milliseconds,
+and whichever clock ran out first would blame its own neighbour. So at the shutdown
+time rank 0 asks every worker (a PING, which an alive rank answers from inside its own
+data-phase wait) and, a grace period later, ends the job naming the ones that did not
+answer; workers give it twice that grace before they end it naming their own peers.
 
 Both clocks run in rank 0's engine or in a data phase, so neither sees a rank 0 that is
 frozen while the workers wait for its responses (its TCP stack still acknowledges what
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from hora import logs
 from hora.config import Config
@@ -108,6 +114,19 @@ class StallInspector:
             log.warning("%s", stall_report(stalls, self.warn_after).removeprefix("hora: "))
 
 
+class Arbiter(Protocol):
+    """Rank 0's side of a data-phase stall: finds which workers stopped."""
+
+    def probe_workers(self) -> None:
+        """Asks every worker whether it is alive (a PING each)."""
+
+    def silent_workers(self) -> list[int]:
+        """The workers that have not answered the last probe, sorted."""
+
+
+MAX_GRACE = 5.0  # seconds an alive rank gets to answer a probe: it answers within a pass
+
+
 class DataPhaseStall:
     """Reports a data-plane wait that made no progress (``hora.transport.tcp.Watch.on_stall``).
 
@@ -115,12 +134,25 @@ class DataPhaseStall:
         inspector: supplies the warning and shutdown times and the disable flag.
         rank: this process's global rank, for messages.
         describe: names the collective being executed, e.g. ``allreduce 'grad'``.
+        defer: whether a worker waits for rank 0's verdict (see the module) before
+            ending the job itself; False where there is no rank 0 to wait for.
+
+    Attributes:
+        arbiter: on rank 0, what probes the workers at the shutdown time (None: the
+            rank names the peers it waits for, as a worker does once its grace is over).
     """
 
-    def __init__(self, inspector: StallInspector, rank: int, describe: Callable[[], str]) -> None:
+    def __init__(self, inspector: StallInspector, rank: int, describe: Callable[[], str], defer: bool = False) -> None:
         self._inspector = inspector
         self._rank = rank
         self._describe = describe
+        self._defer = defer
+        self.arbiter: Arbiter | None = None
+
+    @property
+    def grace(self) -> float:
+        """How long rank 0 waits for answers to its probe."""
+        return min(self._inspector.warn_after, MAX_GRACE)
 
     @property
     def first_check(self) -> float | None:
@@ -130,20 +162,40 @@ class DataPhaseStall:
     def __call__(self, peers: Sequence[int], waited: float) -> float | None:
         """Warns about the stall, or past the shutdown time raises; returns when to look again.
 
+        At the shutdown time rank 0 probes the workers and returns the end of its grace;
+        a worker returns twice that (while it waits, rank 0's verdict reaches it as an
+        abort). Once that is over it raises: rank 0 naming the workers that did not
+        answer (or, if all did, the peers it waits for), a worker its own peers.
+
         Raises:
-            StalledError: the wait lasted past the stall shutdown time.
+            StalledError: the wait lasted past the stall shutdown time (and the grace).
         """
+        shutdown = self._inspector.shutdown_after
+        if shutdown is None or waited < shutdown:
+            log.warning("%s; it resumes if they do", self._message(peers, waited), extra=logs.at(self._rank))
+            due = waited + self._inspector.warn_after
+            return due if shutdown is None else min(due, shutdown)
+        grace = self.grace if self.arbiter is not None else 2 * self.grace if self._defer else 0.0
+        if waited < shutdown + grace:
+            if self.arbiter is not None:
+                self.arbiter.probe_workers()
+            return shutdown + grace
+        message = self._message(peers, waited)
+        silent = self.arbiter.silent_workers() if self.arbiter is not None else []
+        if silent:
+            others = ", ".join(map(str, silent))
+            message = (
+                f"{self._describe()} has waited {waited:.0f} s in its data phase; rank(s) {others} stopped making "
+                f"progress and answer no ping (a process frozen or stopped by a signal, swapping, or a wedged device)"
+            )
+        raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
+
+    def _message(self, peers: Sequence[int], waited: float) -> str:
         who = ", ".join(map(str, peers)) or "?"
-        message = (
+        return (
             f"{self._describe()} has waited {waited:.0f} s in its data phase for rank(s) {who}, which "
             "stopped making progress (a process frozen or stopped by a signal, swapping, or a wedged device)"
         )
-        shutdown = self._inspector.shutdown_after
-        if shutdown is not None and waited >= shutdown:
-            raise StalledError(f"{message}; shutting the job down after {shutdown:g} s")
-        log.warning("%s; it resumes if they do", message, extra=logs.at(self._rank))
-        due = waited + self._inspector.warn_after
-        return due if shutdown is None else min(due, shutdown)
 
 
 class SilentPeer:
