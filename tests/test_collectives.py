@@ -6,11 +6,16 @@ list of cases that went wrong (empty when all agree with NumPy).
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from data import ALL, BFLOAT16, FLOATS, INTS, make, tolerance
-from harness import run_ranks
+from harness import ROOT, run_ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -415,3 +420,23 @@ def test_socket_buffer_bytes_sizes_every_data_link():
         assert result["right"], rank
         # Linux doubles the size it is given (its bookkeeping); autotuning would start elsewhere.
         assert result["sizes"] == {p: (512 << 10, 512 << 10) for p in range(3) if p != rank}, result
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="mounting a small /dev/shm needs root and unshare"
+)
+@pytest.mark.parametrize("room", ["3m", "1m"])  # room for some ranks' segments; for none
+def test_a_dev_shm_too_small_falls_back_to_tcp_on_every_rank(room):
+    """A container's /dev/shm is often 64 MB. Segments that do not fit fail at init, as an
+    error every rank hears of (they all use TCP), not as a SIGBUS on a later write."""
+    script = f"{sys.executable} -m hora.runner -np 2 {sys.executable} tests/scripts/small_dev_shm.py"
+    shell = f"mount -t tmpfs -o size={room} tmpfs /dev/shm && {script}; echo left=$(ls /dev/shm | wc -l)"
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    for rank in range(2):  # each segment 2.1 MiB: 3 MiB has room for one
+        assert f"rank {rank}: 3.0 3.0 TcpCollectives" in output, output
+    assert "/dev/shm has no room for shared segment" in output and "using TCP" in output, output
+    assert "SIGBUS" not in output and "left=0" in output, output

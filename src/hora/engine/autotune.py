@@ -9,7 +9,7 @@ What is tuned: the **fusion threshold** (64 KiB to 128 MiB, on a log scale, in s
 hora's default: negotiate at once) and, where rank 0 shares memory with local peers, the
 **staging size** (1 to 16 MiB in whole MiB, on a log scale: how much of each rank's
 shared staging area one round of a collective fills; the area is mapped at its largest
-at ``init()``, ``MAX_STAGING_BYTES``, and only the used part is ever touched). A knob the
+at ``init()``, ``MAX_STAGING_BYTES``, and a round fills only the part in use). A knob the
 user set (``HORA_FUSION_THRESHOLD``, ``HORA_CYCLE_TIME``, ``HORA_SHM_STAGING_MB`` or their
 flags) is not tuned. Every other engine parameter is built into what ranks set up at
 ``init()`` (the fast lane's slots, each process set's algorithms); docs/autotune.md says

@@ -70,7 +70,7 @@ def connect_domain(
             ``default_staging_bytes`` (every local rank computes the same).
         reserve_bytes: map a staging area at least this large, of which collectives use
             ``staging_bytes`` until told otherwise (``Domain.use_staging``: autotune
-            tries other sizes). Pages nobody touches take no memory.
+            tries other sizes).
 
     Returns:
         The domain, or None when this rank has no local peers or shared memory is

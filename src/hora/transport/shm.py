@@ -33,11 +33,13 @@ until the last rank unmaps it, and a rank killed with SIGKILL leaves nothing beh
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
 import platform
 import select
+import shutil
 import socket
 import threading
 import time
@@ -83,6 +85,28 @@ def segment_name(key: str, generation: int, rank: int) -> str:
     return f"{key}-{generation}-{rank}"
 
 
+def _reserve(fd: int, size: int, name: str) -> None:
+    """Allocates the segment's memory now, so that a full /dev/shm fails here, as an
+    ``OSError`` (the domain then falls back to TCP on every rank), and not later as a
+    SIGBUS on the first write to a page tmpfs has no room for. A container's /dev/shm is
+    often 64 MB (Docker's default).
+
+    Raises:
+        OSError: /dev/shm has no room for ``size`` bytes.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # a file system without fallocate: nothing to check with
+        room = shutil.disk_usage(SHM_DIR).free
+        raise OSError(
+            exc.errno,
+            f"{SHM_DIR} has no room for shared segment {name} ({size / 2**20:.1f} MiB; {room / 2**20:.1f} MiB "
+            f"free): give it more (docker run --shm-size) or lower HORA_SHM_STAGING_MB",
+        ) from exc
+
+
 class Segment:
     """One rank's shared segment: a file under /dev/shm, mapped.
 
@@ -100,9 +124,15 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                _reserve(fd, size, name)
             elif os.fstat(fd).st_size != size:
                 raise OSError(f"shared segment {name} has {os.fstat(fd).st_size} bytes, expected {size}")
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:  # nobody else knows the file yet: it must not outlive this failure
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            raise
         finally:
             os.close(fd)
         self.counters = np.frombuffer(self.map, dtype=np.int64, count=HEADER_BYTES // 8)
