@@ -134,18 +134,18 @@ def test_rank_0_answers_each_ping_once_even_from_a_data_plane_wait():
 class FakeArbiter:
     def __init__(self, silent: list[int]) -> None:
         self.probes = 0
-        self.silent = silent
+        self.answer = silent
 
-    def probe_workers(self) -> None:
+    def probe(self) -> None:
         self.probes += 1
 
-    def silent_workers(self) -> list[int]:
-        return self.silent
+    def silent(self) -> list[int]:
+        return self.answer
 
 
-def data_stall(defer: bool = False, silent: list[int] | None = None, **env: str) -> DataPhaseStall:
+def data_stall(rank: int = 0, silent: list[int] | None = None, **env: str) -> DataPhaseStall:
     env = {"HORA_STALL_CHECK_TIME_SECONDS": "2", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "6", **env}
-    stall = DataPhaseStall(StallInspector(Config.from_env(env)), 1, lambda: "allreduce 'x'", defer=defer)
+    stall = DataPhaseStall(StallInspector(Config.from_env(env)), rank, lambda: "allreduce 'x'")
     if silent is not None:
         stall.arbiter = FakeArbiter(silent)
     return stall
@@ -158,56 +158,70 @@ def test_a_data_phase_stall_warns_then_ends_the_job_naming_the_peers(caplog):
     assert "allreduce 'x' has waited 2 s in its data phase for rank(s) 2" in caplog.text
     assert stall([2], 4.0) == 6.0  # the next warning, then the shutdown time
     with pytest.raises(StalledError, match=r"for rank\(s\) 2, which stopped .*shutting the job down after 6 s"):
-        stall([2], 6.0)  # no rank 0 to wait for: at once
+        stall([2], 6.0)  # nobody to ask: at once
 
 
-def test_a_worker_gives_rank_0_twice_the_grace_before_naming_its_own_peers():
-    stall = data_stall(defer=True)
-    assert stall([2], 6.0) == 10.0  # the grace is the warning time, 2 s
-    with pytest.raises(StalledError, match=r"for rank\(s\) 2, which stopped"):
-        stall([2], 10.0)
-
-
-@pytest.mark.parametrize("silent", [[3], []])
-def test_rank_0_probes_the_workers_and_names_the_ones_that_did_not_answer(silent):
-    stall = data_stall(silent=silent)
-    assert stall.arbiter is not None
-    assert stall([1], 6.0) == 8.0
-    assert stall.arbiter.probes == 1  # type: ignore[attr-defined]
+@pytest.mark.parametrize("rank, grace", [(0, 2.0), (3, 4.0)])  # a worker waits twice as long
+@pytest.mark.parametrize("silent", [[1], []])
+def test_at_the_shutdown_time_a_rank_probes_and_names_the_ones_that_did_not_answer(rank, grace, silent):
+    stall = data_stall(rank, silent=silent)
+    assert stall.grace == grace
+    assert stall([2], 6.0) == 6.0 + grace
+    assert stall.arbiter is not None and stall.arbiter.probes == 1  # type: ignore[attr-defined]
     with pytest.raises(StalledError) as raised:
-        stall([1], 8.0)
+        stall([2], 6.0 + grace)
     if silent:
-        assert "rank(s) 3 stopped making progress and answer no ping" in str(raised.value)
-    else:  # everybody answered: the peers it waits for, as before
-        assert "for rank(s) 1, which stopped" in str(raised.value)
+        assert "rank(s) 1 stopped making progress and answer no ping" in str(raised.value)
+    else:  # everybody asked answered: the peers it waits for, as before
+        assert "for rank(s) 2, which stopped" in str(raised.value)
 
 
 def test_the_grace_is_the_warning_time_up_to_a_few_seconds():
-    assert data_stall().grace == 2.0
     assert data_stall(HORA_STALL_CHECK_TIME_SECONDS="60", HORA_STALL_SHUTDOWN_TIME_SECONDS="600").grace == MAX_GRACE
 
 
-def test_rank_0_pings_every_worker_and_hears_who_answers():
+def test_a_probe_pings_every_peer_and_hears_who_answers():
     mine, theirs = socket.socketpair()
     link = Link(mine, 1, "host-b")
     link.set_nonblocking()
     theirs.setblocking(False)
     control = coordinator_of_two(link)
-    control.probe_workers()
+    control.probe()
     assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(0))]
-    assert control.silent_workers() == [1]
+    assert control.silent() == [1]
     theirs.sendall(encode_frame(messages.PONG, messages.encode_count(0)))
     assert link.pump()
     control.check_urgent(link)  # heard from inside a data-plane wait
-    assert control.silent_workers() == []
-    control.probe_workers()  # a later probe needs a later answer
+    assert control.silent() == []
+    control.probe()  # a later probe needs a later answer
     assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(1))]
-    assert control.silent_workers() == [1]
+    assert control.silent() == [1]
     link.sending = True  # part-way through a frame: no PING, and silent until it answers
-    control.probe_workers()
+    control.probe()
     link.sending = False
     with pytest.raises(BlockingIOError):
         theirs.recv(1 << 16)
-    assert control.silent_workers() == [1]
+    assert control.silent() == [1]
+    # Rank 0's clocks on leaving workers number their PINGs on from the probes'.
+    control.watch_leaving()
+    assert control.silences[1].pings == 3
+    theirs.close()
+    link.close()
+
+
+def test_a_workers_probe_numbers_on_from_its_clock_on_rank_0():
+    mine, theirs = socket.socketpair()
+    link = Link(mine, 0, "host-a")
+    link.set_nonblocking()
+    theirs.setblocking(False)
+    env = {"HORA_RANK": "1", "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "127.0.0.1", "HORA_RENDEZVOUS_PORT": "1"}
+    config = Config.from_env({**env, "HORA_SECRET": "00" * 32})
+    queue = TensorQueue()
+    executor = Executor(1, ProcessSetTable(2), queue, lambda ranks: None)  # type: ignore[arg-type,return-value]
+    control = ControlPlane(config, {0: link}, queue, executor, None, lambda check: Watch([link], check), "host-b")
+    control.silences[0].pings = 4  # it pinged rank 0 four times before
+    control.probe()
+    assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(4))]
+    assert control.silences[0].pings == 5 and control.silent() == [0]
     theirs.close()
     link.close()

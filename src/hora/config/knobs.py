@@ -336,7 +336,7 @@ KNOBS: tuple[Knob, ...] = (
          yaml="stall_check.warning_time_seconds"),
     Knob("HORA_STALL_SHUTDOWN_TIME_SECONDS", Number(), 0.0, "runtime",
          "seconds after which such a stall fails the job on every rank (a data-phase stall a few seconds later: "
-         "rank 0 first pings every rank to name the frozen ones); 0 (or a value not above the warning time) "
+         "the ranks first ping each other to name the frozen ones); 0 (or a value not above the warning time) "
          "never", ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",), "stall_shutdown_time_seconds",
          options=(Option(("--stall-check-shutdown-time-seconds",), "seconds before a stall fails the job (0: never)",
                          "SECONDS"),),

@@ -146,12 +146,11 @@ class ControlPlane:
             coordinator = f"rank 0 (the coordinator) on host {self.links[0].peer_host}"
             self.silences[0] = SilentPeer(StallInspector(config), self.rank, coordinator, "its responses")
         self.pings_answered: dict[int, int] = {}
-        # Rank 0's probes of the workers in a data-phase stall (DataPhaseStall): the last
-        # probe's number, whom it asked, and the highest PONG number each worker sent.
-        # Rank 0 pings nobody else before its shutdown and a stalled job ends after the
-        # probe, so these numbers never meet a SilentPeer's.
-        self.probe_number = -1
-        self.probed: set[int] = set()
+        # Probes in a data-phase stall (DataPhaseStall: rank 0 asks every worker, a worker
+        # asks rank 0): the PING number the last probe sent each peer, and the highest
+        # PONG number each peer sent back.
+        self.probed: dict[int, int] = {}
+        self.probed_before: dict[int, int] = {}  # every probe's numbers, by peer
         self.pongs: dict[int, int] = {}
         # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
         self.domain = domain  # its staging size is autotune's to change
@@ -364,25 +363,31 @@ class ControlPlane:
         if number > self.pongs.get(link.peer, -1):
             self.pongs[link.peer] = number
 
-    def probe_workers(self) -> None:
-        """Rank 0 in a data-phase stall: pings every worker still linked (``Arbiter``).
+    def probe(self) -> None:
+        """In a data-phase stall: pings every worker (rank 0) or rank 0 (a worker) still
+        linked (``hora.engine.stall.Arbiter``).
 
-        A worker whose link is part-way through a frame from this rank gets no PING (it
-        would land inside that frame); it counts as silent unless it answered a later
-        probe: it has not read what this rank sent it for the whole stall.
+        A peer answers each PING number once, in increasing order, so the numbers go on
+        from the ones this rank's clock on that peer sent (``SilentPeer.pings``). A peer
+        whose link is part-way through a frame from this rank gets no PING (it would land
+        inside that frame) and counts as silent: it has not read it for the whole stall.
         """
-        self.probe_number += 1
-        self.probed = set()
+        self.probed = {}
         for peer, link in self.links.items():
             if peer in self.farewells or link.closed_by_peer:
                 continue
-            self.probed.add(peer)
+            silence = self.silences.get(peer)
+            number = max(self.pongs.get(peer, -1), self.probed_before.get(peer, -1)) + 1
+            if silence is not None:
+                number = max(number, silence.pings)
+                silence.pings = number + 1
+            self.probed[peer] = self.probed_before[peer] = number
             if not link.sending:
-                link.send_frame(messages.PING, messages.encode_count(self.probe_number), self.watch)
+                link.send_frame(messages.PING, messages.encode_count(number), self.watch)
 
-    def silent_workers(self) -> list[int]:
-        """The workers the last probe asked that have not answered it (``Arbiter``)."""
-        return sorted(peer for peer in self.probed if self.pongs.get(peer, -1) < self.probe_number)
+    def silent(self) -> list[int]:
+        """The peers the last probe asked that have not answered it (``Arbiter``)."""
+        return sorted(peer for peer, number in self.probed.items() if self.pongs.get(peer, -1) < number)
 
     def check_silences(self) -> None:
         """Pings the silent peers this rank waits for, and fails the job past the stall
@@ -404,6 +409,8 @@ class ControlPlane:
         for peer, link in self.links.items():
             name = f"rank {peer} on host {link.peer_host}"
             self.silences[peer] = SilentPeer(self.stall, self.rank, name, "it to shut down too, having shut down")
+            # Its PINGs number on from a data-phase probe's (a peer answers each number once).
+            self.silences[peer].pings = self.probed_before.get(peer, -1) + 1
 
     def announce(self, entries: list[Entry], lane: bool = True) -> None:
         """Tells the coordinator about new tensors: unchanged cached ones by id only.

@@ -165,7 +165,7 @@ class Engine:
             and mpi is None
             else None
         )
-        data_stall = DataPhaseStall(StallInspector(config), self.rank, self._executor.describe, defer=self.rank != 0)
+        data_stall = DataPhaseStall(StallInspector(config), self.rank, self._executor.describe)
 
         def watch_for(check_urgent: Callable[[Link], None]) -> Watch:
             return Watch(
@@ -183,8 +183,8 @@ class Engine:
         )  # fmt: skip
         if domain is not None:
             domain.watch = self.control.watch
-        if self.control.coordinator is not None:
-            data_stall.arbiter = self.control  # rank 0 finds out who stopped (DataPhaseStall)
+        if self.size > 1:
+            data_stall.arbiter = self.control  # finds out who stopped (DataPhaseStall)
         self._choice = AlgorithmChoice(config, mesh, domain, sharing or [False] * self.size, self.control.watch, mpi)
         local_ranks = len(domain.ranks) if domain is not None else config.topology.local_size
         if config.spin_us is not None:

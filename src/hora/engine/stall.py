@@ -16,7 +16,9 @@ waiting: in a ring every rank downstream of a frozen one stops within millisecon
 and whichever clock ran out first would blame its own neighbour. So at the shutdown
 time rank 0 asks every worker (a PING, which an alive rank answers from inside its own
 data-phase wait) and, a grace period later, ends the job naming the ones that did not
-answer; workers give it twice that grace before they end it naming their own peers.
+answer. A worker asks rank 0 and gives it twice that grace: rank 0's verdict reaches it
+first, unless rank 0 is the frozen one (then the worker names it) or is not in the
+collective (then the worker names its own peers).
 
 Both clocks run in rank 0's engine or in a data phase, so neither sees a rank 0 that is
 frozen while the workers wait for its responses (its TCP stack still acknowledges what
@@ -115,13 +117,14 @@ class StallInspector:
 
 
 class Arbiter(Protocol):
-    """Rank 0's side of a data-phase stall: finds which workers stopped."""
+    """Finds which ranks stopped, in a data-phase stall: rank 0 asks every worker, a
+    worker asks rank 0."""
 
-    def probe_workers(self) -> None:
-        """Asks every worker whether it is alive (a PING each)."""
+    def probe(self) -> None:
+        """Asks those ranks whether they are alive (a PING each)."""
 
-    def silent_workers(self) -> list[int]:
-        """The workers that have not answered the last probe, sorted."""
+    def silent(self) -> list[int]:
+        """The ranks that have not answered the last probe, sorted."""
 
 
 MAX_GRACE = 5.0  # seconds an alive rank gets to answer a probe: it answers within a pass
@@ -134,25 +137,24 @@ class DataPhaseStall:
         inspector: supplies the warning and shutdown times and the disable flag.
         rank: this process's global rank, for messages.
         describe: names the collective being executed, e.g. ``allreduce 'grad'``.
-        defer: whether a worker waits for rank 0's verdict (see the module) before
-            ending the job itself; False where there is no rank 0 to wait for.
 
     Attributes:
-        arbiter: on rank 0, what probes the workers at the shutdown time (None: the
-            rank names the peers it waits for, as a worker does once its grace is over).
+        arbiter: what probes the other ranks at the shutdown time (see the module);
+            None: the rank names the peers it waits for at once.
     """
 
-    def __init__(self, inspector: StallInspector, rank: int, describe: Callable[[], str], defer: bool = False) -> None:
+    def __init__(self, inspector: StallInspector, rank: int, describe: Callable[[], str]) -> None:
         self._inspector = inspector
         self._rank = rank
         self._describe = describe
-        self._defer = defer
         self.arbiter: Arbiter | None = None
 
     @property
     def grace(self) -> float:
-        """How long rank 0 waits for answers to its probe."""
-        return min(self._inspector.warn_after, MAX_GRACE)
+        """How long this rank waits for answers to its probe: rank 0 the warning time (at
+        most ``MAX_GRACE``), a worker twice that, so that rank 0's verdict comes first."""
+        grace = min(self._inspector.warn_after, MAX_GRACE)
+        return grace if self._rank == 0 else 2 * grace
 
     @property
     def first_check(self) -> float | None:
@@ -162,10 +164,10 @@ class DataPhaseStall:
     def __call__(self, peers: Sequence[int], waited: float) -> float | None:
         """Warns about the stall, or past the shutdown time raises; returns when to look again.
 
-        At the shutdown time rank 0 probes the workers and returns the end of its grace;
-        a worker returns twice that (while it waits, rank 0's verdict reaches it as an
-        abort). Once that is over it raises: rank 0 naming the workers that did not
-        answer (or, if all did, the peers it waits for), a worker its own peers.
+        At the shutdown time it probes (rank 0 every worker, a worker rank 0) and returns
+        the end of its grace; a worker's is the longer, so rank 0's verdict reaches it
+        first, as an abort. Once the grace is over it raises, naming the ranks that did
+        not answer, or if all did, the peers it waits for.
 
         Raises:
             StalledError: the wait lasted past the stall shutdown time (and the grace).
@@ -175,13 +177,12 @@ class DataPhaseStall:
             log.warning("%s; it resumes if they do", self._message(peers, waited), extra=logs.at(self._rank))
             due = waited + self._inspector.warn_after
             return due if shutdown is None else min(due, shutdown)
-        grace = self.grace if self.arbiter is not None else 2 * self.grace if self._defer else 0.0
-        if waited < shutdown + grace:
-            if self.arbiter is not None:
-                self.arbiter.probe_workers()
-            return shutdown + grace
+        arbiter = self.arbiter
+        if arbiter is not None and waited < shutdown + self.grace:
+            arbiter.probe()
+            return shutdown + self.grace
         message = self._message(peers, waited)
-        silent = self.arbiter.silent_workers() if self.arbiter is not None else []
+        silent = arbiter.silent() if arbiter is not None else []
         if silent:
             others = ", ".join(map(str, silent))
             message = (
