@@ -16,11 +16,15 @@ class Boom(Exception):
 
 @pytest.fixture
 def shield():
+    # Python's own SIGINT handler, as an interactive program has it (a test run started in
+    # the background of a script inherits SIGINT ignored).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     shield = InterruptShield()
     yield shield
     shield.restore()
     shield.close()
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, inherited)
 
 
 def raise_boom(signum, frame):

@@ -103,6 +103,9 @@ def frozen_peer_job() -> str:
     from hora.transport import shm
     from test_data_phase_failures import arm_kill
 
+    # Ctrl-C as an interactive program gets it (a rank started in the background of a
+    # script inherits SIGINT ignored, and the Timer's SIGINT below would then do nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     hvd.init()
     data = np.ones(16 * MiB // 4, np.float32)
     for _ in range(2):
