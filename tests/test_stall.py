@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 
 import pytest
 
@@ -89,21 +90,27 @@ def test_without_a_shutdown_time_it_only_warns(caplog):
     assert caplog.text.count("nor answered a ping") == 19
 
 
-def coordinator_of_two(link: Link) -> ControlPlane:
-    """Rank 0's control plane of a 2-rank job whose only worker is at the other end of ``link``."""
-    env = {"HORA_RANK": "0", "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "127.0.0.1", "HORA_RENDEZVOUS_PORT": "1"}
+def control_of_two(rank: int) -> tuple[ControlPlane, Link, socket.socket]:
+    """Rank ``rank``'s control plane in a 2-rank job, its link to the other rank, and that
+    link's far end (the other rank's socket, non-blocking)."""
+    mine, theirs = socket.socketpair()
+    peer = 1 - rank
+    link = Link(mine, peer, f"host-{peer}")
+    link.set_nonblocking()
+    theirs.setblocking(False)
+    env = {"HORA_RANK": str(rank), "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "127.0.0.1", "HORA_RENDEZVOUS_PORT": "1"}
     config = Config.from_env({**env, "HORA_SECRET": "00" * 32})
     queue = TensorQueue()
-    executor = Executor(0, ProcessSetTable(2), queue, lambda ranks: None)  # type: ignore[arg-type,return-value]
-    return ControlPlane(config, {1: link}, queue, executor, None, lambda check: Watch([link], check), "host-a")
+    executor = Executor(rank, ProcessSetTable(2), queue, lambda ranks: None)  # type: ignore[arg-type,return-value]
+
+    def watch_for(check: Callable[[Link], None]) -> Watch:
+        return Watch([link], check)
+
+    return ControlPlane(config, {peer: link}, queue, executor, None, watch_for, f"host-{rank}"), link, theirs
 
 
 def test_rank_0_answers_each_ping_once_even_from_a_data_plane_wait():
-    mine, theirs = socket.socketpair()
-    link = Link(mine, 1, "host-b")
-    link.set_nonblocking()
-    theirs.setblocking(False)
-    control = coordinator_of_two(link)
+    control, link, theirs = control_of_two(0)
 
     def answers() -> list[tuple[int, bytes]]:
         try:
@@ -181,11 +188,7 @@ def test_the_grace_is_the_warning_time_up_to_a_few_seconds():
 
 
 def test_a_probe_pings_every_peer_and_hears_who_answers():
-    mine, theirs = socket.socketpair()
-    link = Link(mine, 1, "host-b")
-    link.set_nonblocking()
-    theirs.setblocking(False)
-    control = coordinator_of_two(link)
+    control, link, theirs = control_of_two(0)
     control.probe()
     assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(0))]
     assert control.silent() == [1]
@@ -210,15 +213,7 @@ def test_a_probe_pings_every_peer_and_hears_who_answers():
 
 
 def test_a_workers_probe_numbers_on_from_its_clock_on_rank_0():
-    mine, theirs = socket.socketpair()
-    link = Link(mine, 0, "host-a")
-    link.set_nonblocking()
-    theirs.setblocking(False)
-    env = {"HORA_RANK": "1", "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "127.0.0.1", "HORA_RENDEZVOUS_PORT": "1"}
-    config = Config.from_env({**env, "HORA_SECRET": "00" * 32})
-    queue = TensorQueue()
-    executor = Executor(1, ProcessSetTable(2), queue, lambda ranks: None)  # type: ignore[arg-type,return-value]
-    control = ControlPlane(config, {0: link}, queue, executor, None, lambda check: Watch([link], check), "host-b")
+    control, link, theirs = control_of_two(1)
     control.silences[0].pings = 4  # it pinged rank 0 four times before
     control.probe()
     assert FrameReader().feed(theirs.recv(1 << 16)) == [(messages.PING, messages.encode_count(4))]

@@ -147,10 +147,10 @@ class ControlPlane:
             self.silences[0] = SilentPeer(StallInspector(config), self.rank, coordinator, "its responses")
         self.pings_answered: dict[int, int] = {}
         # Probes in a data-phase stall (DataPhaseStall: rank 0 asks every worker, a worker
-        # asks rank 0): the PING number the last probe sent each peer, and the highest
-        # PONG number each peer sent back.
-        self.probed: dict[int, int] = {}
-        self.probed_before: dict[int, int] = {}  # every probe's numbers, by peer
+        # asks rank 0): whom the last one asked, the last PING number a probe sent each
+        # peer, and the highest PONG number each peer sent back.
+        self.probed: set[int] = set()
+        self.probe_pings: dict[int, int] = {}
         self.pongs: dict[int, int] = {}
         # Rank 0 tunes (HORA_AUTOTUNE); every rank applies the changes (hora.engine.autotune).
         self.domain = domain  # its staging size is autotune's to change
@@ -372,22 +372,23 @@ class ControlPlane:
         whose link is part-way through a frame from this rank gets no PING (it would land
         inside that frame) and counts as silent: it has not read it for the whole stall.
         """
-        self.probed = {}
+        self.probed = set()
         for peer, link in self.links.items():
             if peer in self.farewells or link.closed_by_peer:
                 continue
             silence = self.silences.get(peer)
-            number = max(self.pongs.get(peer, -1), self.probed_before.get(peer, -1)) + 1
+            number = self.probe_pings.get(peer, -1) + 1
             if silence is not None:
                 number = max(number, silence.pings)
                 silence.pings = number + 1
-            self.probed[peer] = self.probed_before[peer] = number
+            self.probe_pings[peer] = number
+            self.probed.add(peer)
             if not link.sending:
                 link.send_frame(messages.PING, messages.encode_count(number), self.watch)
 
     def silent(self) -> list[int]:
         """The peers the last probe asked that have not answered it (``Arbiter``)."""
-        return sorted(peer for peer, number in self.probed.items() if self.pongs.get(peer, -1) < number)
+        return sorted(peer for peer in self.probed if self.pongs.get(peer, -1) < self.probe_pings[peer])
 
     def check_silences(self) -> None:
         """Pings the silent peers this rank waits for, and fails the job past the stall
@@ -410,7 +411,7 @@ class ControlPlane:
             name = f"rank {peer} on host {link.peer_host}"
             self.silences[peer] = SilentPeer(self.stall, self.rank, name, "it to shut down too, having shut down")
             # Its PINGs number on from a data-phase probe's (a peer answers each number once).
-            self.silences[peer].pings = self.probed_before.get(peer, -1) + 1
+            self.silences[peer].pings = self.probe_pings.get(peer, -1) + 1
 
     def announce(self, entries: list[Entry], lane: bool = True) -> None:
         """Tells the coordinator about new tensors: unchanged cached ones by id only.

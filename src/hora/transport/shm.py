@@ -200,9 +200,7 @@ class Domain:
         self.me = me
         self.index = self.ranks.index(me)
         self.half_bytes = half_bytes
-        self.round_bytes = half_bytes
-        if round_bytes is not None:
-            self.round_bytes = self._round(round_bytes)
+        self.round_bytes = half_bytes if round_bytes is None else self._round(round_bytes)
         self._key = key
         self._generation = generation
         self._size = HEADER_BYTES + LANE_BYTES + 2 * half_bytes
