@@ -134,6 +134,21 @@ def test_join_lets_others_proceed_and_reports_last_rank():
     assert done.type == ResponseType.JOIN and done.root_rank == 0 and members == (0, 1, 2)
 
 
+def test_ranks_that_leave_do_not_hold_up_a_join():
+    # Found with Horovod's own test_torch.py at 3 ranks: rank 0 waited in join() for ever
+    # once the others ended without joining.
+    c = Coordinator(3, fusion_threshold=0)
+    c.submit(Request(0, RequestType.JOIN, "join"))
+    c.depart(1)
+    assert take(c) == []  # rank 2 may still join
+    c.depart(2, "has shut down (its program ended)")
+    [(done, members)] = c.take()
+    assert done.type == ResponseType.JOIN and done.root_rank == 0 and members == (0,)
+    c.submit(req(0, "a"))  # what needs the ranks that left fails, naming them
+    [(aborted, _)] = c.take()
+    assert aborted.type == ResponseType.ABORTED and "rank 2 has shut down (its program ended)" in aborted.error
+
+
 def test_process_sets_order_and_membership():
     c = Coordinator(3, fusion_threshold=0)
     for rank in range(3):

@@ -193,6 +193,30 @@ def test_join_refuses_everything_but_allreduce():
     assert "rank(s) 0 have called join(); only allreduce may run" in results[1]
 
 
+def leave_without_join_job() -> object:
+    import hora.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        last = hvd.join()  # the others end without joining
+        try:
+            hvd.allreduce(np.ones(1), name="after")
+            return (last, "no error")
+        except hvd.HoraInternalError as exc:
+            return (last, str(exc))
+    hvd.allreduce(np.ones(1), name="before")
+    hvd.shutdown()
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_end_without_joining_release_a_join():
+    results = run_ranks(3, leave_without_join_job)
+    last, message = results[0]
+    assert last == 0
+    assert "cannot run" in message and "rank 1" in message and "rank 2" in message
+
+
 def cycles_job() -> list[float]:
     import hora.numpy as hvd
 

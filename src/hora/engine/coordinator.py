@@ -214,6 +214,9 @@ class Coordinator:
                 request = next(iter(pending.requests.values()))
                 waiting = tuple(r for r in sorted(pending.requests) if r == rank or r not in self._departed)
                 self._emit(self._aborted(request.label, key[1], key[0], {rank}), waiting)
+        if self._joined:
+            self._complete_join()  # a rank that left never joins: those in join() may be all that is left
+
 
     def take(self) -> list[tuple[Response, tuple[int, ...]]]:
         """Returns the responses ready now, fused, each with the global ranks to send it to."""
@@ -311,16 +314,23 @@ class Coordinator:
     def _join(self, rank: int) -> None:
         self._joined.add(rank)
         self._last_joined = rank
-        if len(self._joined) == self.size - len(self._departed):
-            self._joined.clear()
-            response = Response(ResponseType.JOIN, ["join"], GLOBAL, root_rank=self._last_joined)
-            self._emit(response, self.sets.ranks(GLOBAL))
+        if self._complete_join():
             return
         # Fewer ranks are needed now: tensors the others already submitted may be ready.
         for key, pending in list(self._pending.items()):
             members = self.sets.get(key[0])
             if members is not None:
                 self._check_ready(key, pending, members)
+
+    def _complete_join(self) -> bool:
+        """Answers ``join()`` once every rank still in the job has joined (ranks that left
+        are not waited for, as no other collective waits for them); True when it did."""
+        if len(self._joined) < self.size - len(self._departed):
+            return False
+        self._joined.clear()
+        members = tuple(rank for rank in self.sets.ranks(GLOBAL) if rank not in self._departed)
+        self._emit(Response(ResponseType.JOIN, ["join"], GLOBAL, root_rank=self._last_joined), members)
+        return True
 
     def _check_ready(self, key: tuple[int, str], pending: _Pending, members: tuple[int, ...]) -> None:
         if any(rank not in pending.requests and rank not in self._joined for rank in members):
