@@ -194,6 +194,53 @@ def test_an_added_host_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
     assert "elastic world 1: 4 ranks" in result.stderr and result.stdout.count("finished") == 4
 
 
+NOTIFIED_WORKER = r"""
+import os, sys, threading
+import hora.numpy as hvd
+from hora.numpy import elastic
+
+out = sys.argv[1]
+hvd.init()
+notified = threading.Event()
+
+class State(elastic.ObjectState):
+    def on_hosts_updated(self, timestamp, update_res):
+        super().on_hosts_updated(timestamp, update_res)
+        notified.set()
+
+@elastic.run
+def train(state):
+    if hvd.size() == 1:
+        open(os.path.join(out, "waiting"), "w").close()
+        # No hora call from here on until the notification: it must come on hora's own thread.
+        if not notified.wait(60):
+            raise TimeoutError("on_hosts_updated was not called")
+        state.commit()  # the change of hosts: HostsUpdatedInterrupt, then the bigger world
+        raise AssertionError("commit() did not raise HostsUpdatedInterrupt")
+    return hvd.size()
+
+print("finished in a world of", train(State(step=0)), flush=True)
+"""
+
+
+def test_a_change_of_hosts_reaches_on_hosts_updated_without_a_commit(tmp_path: Path) -> None:
+    # Horovod's own elastic test program waits for state._host_messages between commits:
+    # Horovod's notification service calls on_hosts_updated as the driver's message comes.
+    job = ElasticJob(tmp_path, ["localhost"])
+    (tmp_path / "worker.py").write_text(NOTIFIED_WORKER)
+
+    def add_one(job: ElasticJob) -> None:
+        end = time.monotonic() + 90
+        while not (job.dir / "waiting").exists():
+            assert time.monotonic() < end, "the worker never started waiting"
+            time.sleep(0.05)
+        job.set_hosts(["localhost", "127.0.0.1"])
+
+    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", during=add_one)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("finished in a world of 2") == 2, result.stdout + result.stderr[-3000:]
+
+
 def test_a_removed_host_loses_its_worker_and_the_rest_go_on(tmp_path: Path) -> None:
     job = ElasticJob(tmp_path, ["localhost", "127.0.0.1", "127.0.0.2"])
 

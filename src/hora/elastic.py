@@ -9,8 +9,10 @@ before calling the function again. When the hosts of the job change, ``commit()`
 loop resets the same way, skipping the synchronization when hosts were only removed.
 
 Under ``horarun``'s elastic driver (``horarun --min-np``/``--host-discovery-script``) a
-reset joins the job's next world, and rank 0 learns of the driver's changes of hosts at
-each ``check_host_updates`` (``hora.core.membership``). Elsewhere a reset re-initializes
+reset joins the job's next world, and rank 0 learns of the driver's changes of hosts as
+they come: inside ``run``, the state's ``on_hosts_updated`` is called at once, on a thread
+of hora's, as Horovod's notification service calls it (``hora.core.membership``), and each
+``check_host_updates`` reads them too. Elsewhere a reset re-initializes
 hora against the same world and only ``State.on_hosts_updated`` raises an interrupt.
 """
 
@@ -106,6 +108,7 @@ class State:
                 (the survivors hold consistent state already).
             HoraInternalError: the broadcast of rank 0's view failed.
         """
+        # Inside run() these reached on_hosts_updated already: the same timestamps count once.
         for timestamp, result in _published_host_updates():
             self.on_hosts_updated(timestamp, HostUpdateResult(result))
         prev_timestamp = last_timestamp = self._last_updated_timestamp
@@ -205,19 +208,28 @@ def run_fn(func: Callable[..., R], reset: Callable[[], Any]) -> Callable[..., R]
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
-        skip_sync = False
-        while True:
-            try:
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except HoraInternalError:
-                state.restore()
-                skip_sync = False
-            except HostsUpdatedInterrupt as interrupt:
-                skip_sync = interrupt.skip_sync
-            reset()
-            state.on_reset()
+        from hora.core import api  # here: the launcher imports this module for HostUpdateResult
+
+        def listener(timestamp: float, result: int) -> None:
+            state.on_hosts_updated(timestamp, HostUpdateResult(result))
+
+        api.add_host_listener(listener)  # as Horovod's run_fn registers the state for notifications
+        try:
+            skip_sync = False
+            while True:
+                try:
+                    if not skip_sync:
+                        state.sync()
+                    return func(state, *args, **kwargs)
+                except HoraInternalError:
+                    state.restore()
+                    skip_sync = False
+                except HostsUpdatedInterrupt as interrupt:
+                    skip_sync = interrupt.skip_sync
+                reset()
+                state.on_reset()
+        finally:
+            api.remove_host_listener(listener)
 
     return wrapper
 

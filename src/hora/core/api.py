@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -51,6 +51,9 @@ class _Context:
         self.sets: list[ProcessSet] = []
         self.set_calls = 0
         self.atexit_registered = False
+        # Called with (timestamp, HostUpdateResult value) of each change of hosts that rank 0's
+        # membership watcher receives; kept across resets (hora.elastic.run registers its state).
+        self.host_listeners: list[Callable[[float, int], None]] = []
 
 
 _context = _Context()
@@ -126,6 +129,8 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _context.generation = generation + 1
         _context.runtime = runtime
         _context.membership = membership
+        if membership is not None:
+            membership.watch(_deliver_host_update)
         _context.dynamic = dynamic
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
@@ -210,6 +215,25 @@ def host_updates() -> list[tuple[float, int]]:
     """
     membership = _context.membership
     return [] if membership is None else membership.host_updates()
+
+
+def add_host_listener(listener: Callable[[float, int], None]) -> None:
+    """Registers ``listener`` for the changes of hosts horarun's elastic driver publishes:
+    on rank 0 of an elastic job it is called, on a thread of hora's, with (timestamp,
+    ``HostUpdateResult`` value) as each change comes (Horovod's worker notification
+    listeners). Elsewhere it is never called."""
+    _context.host_listeners.append(listener)
+
+
+def remove_host_listener(listener: Callable[[float, int], None]) -> None:
+    """Unregisters a listener added by ``add_host_listener`` (absent: nothing happens)."""
+    if listener in _context.host_listeners:
+        _context.host_listeners.remove(listener)
+
+
+def _deliver_host_update(timestamp: float, result: int) -> None:
+    for listener in list(_context.host_listeners):
+        listener(timestamp, result)
 
 
 def elastic_worker() -> bool:

@@ -15,19 +15,30 @@ current world (``hora.transport.worlds`` describes the records):
 A worker whose slot the new world does not hold has been removed from the job; its
 ``init()`` raises ``HoraInternalError`` with Horovod's words (the driver stops it too).
 
-Rank 0 of a world reads the host changes the driver published after that world
-(``Membership.host_updates``); ``hora.elastic.State.check_host_updates`` broadcasts
-rank 0's view, so every rank raises ``HostsUpdatedInterrupt`` at the same commit.
+Rank 0 of a world watches for the host changes the driver publishes after that world: a
+daemon thread (``Membership.watch``) blocks on the driver's rendezvous server and hands
+each change, as it comes, to the registered listeners (``hora.elastic.run`` registers the
+``State``, whose ``on_hosts_updated`` runs then, as Horovod's worker notification service
+calls it) and keeps it for ``Membership.host_updates``.
+``hora.elastic.State.check_host_updates`` broadcasts rank 0's view, so every rank raises
+``HostsUpdatedInterrupt`` at the same commit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
+from collections.abc import Callable
 
 from hora.config import Config
 from hora.errors import HoraInternalError
 from hora.transport import worlds
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
+
+log = logging.getLogger(__name__)
+
+WATCH_WAIT_S = 1.0  # one rendezvous WAIT of the watcher: how soon it sees close()
 
 
 @dataclasses.dataclass
@@ -43,47 +54,80 @@ class Membership:
     config: Config
     world: worlds.World
     slot: str
-    _client: RendezvousClient | None = dataclasses.field(default=None, repr=False)
-    _next_update: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    _unread: list[tuple[float, int]] = dataclasses.field(default_factory=list, repr=False)
+    _failure: str | None = None  # why the watcher stopped before close()
+    _closed: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     @property
     def generation(self) -> int:
         return self.world.generation
 
+    def watch(self, deliver: Callable[[float, int], None]) -> None:
+        """On rank 0, starts the thread that watches for changes of hosts until ``close()``.
+
+        Args:
+            deliver: called on that thread with (timestamp, HostUpdateResult value) of
+                each change as the driver publishes it; what it raises is logged.
+
+        Raises:
+            HoraInternalError: the driver's rendezvous server cannot be reached.
+        """
+        if self.config.topology.rank != 0:
+            return
+        try:
+            client = _connect(self.config)
+        except (OSError, ValueError) as exc:
+            raise self._unreachable(exc) from None
+        threading.Thread(target=self._watch, args=(client, deliver), name="hora-hosts", daemon=True).start()
+
+    def _watch(self, client: RendezvousClient, deliver: Callable[[float, int], None]) -> None:
+        index = self.world.hosts_index
+        try:
+            while not self._closed.is_set():
+                try:
+                    (value,) = client.wait([worlds.hosts_key(index)], WATCH_WAIT_S)
+                except RendezvousTimeout:
+                    continue
+                index += 1
+                update = worlds.decode_host_update(value)
+                with self._lock:
+                    self._unread.append(update)
+                try:
+                    deliver(*update)
+                except Exception:  # a listener's bug must not stop the watch
+                    log.exception("hora.elastic: a listener for changes of hosts failed")
+        except (OSError, ValueError) as exc:
+            if not self._closed.is_set():
+                self._failure = str(exc)  # the driver went away: host_updates() reports it
+        finally:
+            client.close()
+
     def host_updates(self) -> list[tuple[float, int]]:
-        """The changes of hosts published since the last call (rank 0 reads them).
+        """The changes of hosts the watcher received since the last call.
 
         Returns:
             (timestamp, HostUpdateResult value) of each, oldest first; empty on ranks
             other than 0.
 
         Raises:
-            HoraInternalError: the driver's rendezvous server cannot be reached.
+            HoraInternalError: the watcher lost the driver's rendezvous server.
         """
-        if self.config.topology.rank != 0:
-            return []
-        updates: list[tuple[float, int]] = []
-        try:
-            if self._client is None:
-                self._client = _connect(self.config)
-                self._next_update = self.world.hosts_index
-            while True:
-                try:
-                    (value,) = self._client.wait([worlds.hosts_key(self._next_update)], 0.0)
-                except RendezvousTimeout:
-                    return updates
-                updates.append(worlds.decode_host_update(value))
-                self._next_update += 1
-        except (OSError, ValueError) as exc:
-            raise HoraInternalError(
-                f"hora.elastic: rank 0 ({self.slot}) could not read the changes of hosts from horarun's elastic "
-                f"driver: {exc}"
-            ) from None
+        with self._lock:
+            updates, self._unread = self._unread, []
+        if not updates and self._failure is not None:
+            raise self._unreachable(self._failure)
+        return updates
+
+    def _unreachable(self, cause: object) -> HoraInternalError:
+        return HoraInternalError(
+            f"hora.elastic: rank 0 ({self.slot}) could not read the changes of hosts from horarun's elastic "
+            f"driver: {cause}"
+        )
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Stops the watcher (within ``WATCH_WAIT_S``; it is a daemon thread, so exit never waits)."""
+        self._closed.set()
 
 
 def slot_of(config: Config) -> str:
