@@ -197,3 +197,35 @@ def test_a_check_one_rank_fails_ends_the_group_on_every_rank(size: int, culprit:
                 assert f"refused by rank {culprit}" in got[case], (rank, case, got[case])
     assert "grouped_allreduce" in results[culprit]["eager group"], results[culprit]
     assert "scalar" in results[culprit]["traced group"], results[culprit]
+
+
+def broadcast_gradient_only_job() -> list[str]:
+    tf, hvd = start()
+    c = Checks()
+    me, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.full((3, 2), float(me + 1), np.float32))
+        fetches = []
+        for root in range(n):  # only the gradients are fetched: the broadcasts never run
+            y = hvd.broadcast(x, root_rank=root)
+            fetches.append(tf.gradients(y, x, tf.ones_like(y) * (me + 1.0))[0])
+        with tf.compat.v1.Session(graph=graph) as session:
+            for run in range(3):
+                for root, grad in enumerate(session.run(fetches)):
+                    # The averaged upstream gradients on the root, zeros elsewhere.
+                    want = np.full((3, 2), sum(range(1, n + 1)) / n if me == root else 0.0, np.float32)
+                    c.close(f"run {run} root {root}", grad, want)
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(200)
+def test_a_session_that_fetches_only_a_broadcasts_gradient_runs_its_allreduce_on_every_rank(size: int) -> None:
+    # Found with Horovod's own test_tensorflow.py: the other ranks' gradient was
+    # zeros_like(allreduce), which TensorFlow folds to a constant, pruning the allreduce
+    # there; the root waited for it for ever. Horovod's gradient is allreduce * 0.
+    results = run_ranks(size, broadcast_gradient_only_job, timeout=180, env=TF_ENV)
+    for rank, problems in enumerate(results):
+        assert not problems, f"rank {rank}: {problems[:8]}"

@@ -353,7 +353,11 @@ def _broadcast(
         reduced = _allreduce([dys[i] for i in wanted], None, AVERAGE, 1.0, 1.0, process_set, True)
         is_root = current().rank == root
         for i, g in zip(wanted, reduced):
-            grads[i] = g if is_root else tf.zeros_like(g)
+            # As Horovod: g * 0, which keeps the allreduce in the graph (TensorFlow folds
+            # zeros_like(g) of a known shape to a constant, so a TF1 Session would prune the
+            # allreduce on the other ranks and the root would wait for it for ever), and a
+            # NaN or Inf gradient stays NaN.
+            grads[i] = g if is_root else g * 0
         return grads
 
     return _differentiable(forward, backward, tensors)

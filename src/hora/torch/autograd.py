@@ -223,7 +223,7 @@ class HorovodBroadcast(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad = allreduce(grad_output, op=AVERAGE, process_set=ctx.process_set)
         if current().rank != ctx.root_rank:  # root_rank is a global rank
-            grad = torch.zeros_like(grad)
+            grad = grad * 0  # as Horovod: a NaN or Inf gradient stays NaN
         return grad, None, None, None
 
 
