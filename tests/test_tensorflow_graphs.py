@@ -229,3 +229,34 @@ def test_a_session_that_fetches_only_a_broadcasts_gradient_runs_its_allreduce_on
     results = run_ranks(size, broadcast_gradient_only_job, timeout=180, env=TF_ENV)
     for rank, problems in enumerate(results):
         assert not problems, f"rank {rank}: {problems[:8]}"
+
+
+def session_wait_job() -> list[str]:
+    import logging
+    import time
+
+    tf, hvd = start()
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("hora.tensorflow").addHandler(Keep())
+    graph = tf.Graph()
+    with graph.as_default():
+        total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
+        with tf.compat.v1.Session(graph=graph) as session:
+            if hvd.rank() == 1:
+                time.sleep(3.0)  # rank 0's op waits past the 1 s warning time
+            got = session.run(total)
+    hvd.shutdown()
+    return [str(got.tolist())] + [m for m in records if "in a TF1 Session" in m]
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_waiting_in_a_session_says_it_holds_an_inter_op_thread() -> None:
+    results = run_ranks(2, session_wait_job, timeout=100, env={**TF_ENV, "HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    assert results[0][0] == results[1][0] == "[2.0]"
+    assert len(results[0]) == 2 and "inter_op_parallelism_threads=N" in results[0][1], results[0]
+    assert len(results[1]) == 1, results[1]  # rank 1's op did not wait

@@ -48,6 +48,8 @@ body): the second run's name is in flight and is refused.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +63,8 @@ from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet
 
 Kernel = Callable[..., Any]
+
+log = logging.getLogger(__name__)
 
 XLA_MESSAGE = (
     "hora.tensorflow.{what} cannot run inside a function compiled by XLA: hora's collectives run in Python "
@@ -251,12 +255,45 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
         return list(kernel(None, *inputs))
     check_not_xla(what)
     key, op_name = draw_key(what)
+    from tensorflow.python.framework import ops as tf_ops
+
+    in_session = not _root(tf_ops.get_default_graph()).building_function  # a TF1 graph
 
     def body(*tensors: Any) -> Any:
+        if in_session:
+            return _holding_a_session_thread(key, lambda: kernel(key, *tensors))
         return kernel(key, *tensors)
 
     outputs = tf.py_function(body, list(inputs), list(out_dtypes), name=op_name)
     return [] if outputs is None else list(outputs)
+
+
+SESSION_WAIT_MESSAGE = (
+    "hora.tensorflow: collective {key!r} has waited {seconds:g} s in a TF1 Session. While it waits it holds "
+    "one of the Session's inter-op threads (as many as the CPUs by default): when a graph has more independent "
+    "collectives ready at once than the Session has threads, the ranks can each hold all their threads on "
+    "different collectives and wait for each other for ever. Give the Session more threads "
+    "(ConfigProto(inter_op_parallelism_threads=N), or TF_NUM_INTEROP_THREADS=N before the first Session, N at "
+    "least the collectives that can run at once), or group the collectives (grouped_allreduce, "
+    "grouped_allgather)."
+)
+
+
+def _holding_a_session_thread(key: str, call: Callable[[], Any]) -> Any:
+    """Runs the kernel of a TF1 Session's op, warning if it waits past the stall warning
+    time: in a Session a waiting collective holds an inter-op thread (docs/tensorflow.md),
+    which Horovod's asynchronous C++ kernels do not."""
+    config = current().config
+    if config.stall_check_disable:
+        return call()
+    seconds = config.stall_check_time_seconds
+    timer = threading.Timer(seconds, log.warning, (SESSION_WAIT_MESSAGE.format(key=key, seconds=seconds),))
+    timer.daemon = True
+    timer.start()
+    try:
+        return call()
+    finally:
+        timer.cancel()
 
 
 def _camel(what: str) -> str:
