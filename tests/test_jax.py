@@ -210,8 +210,9 @@ def gradients_job() -> list[str]:
         ("allgather", lambda x: hvd.allgather(x), "mean"),
         ("broadcast", lambda x: hvd.broadcast(x, root_rank=n - 1), "mean"),
         ("alltoall", lambda x: hvd.alltoall(x), "sum"),
-        ("reducescatter avg", lambda x: hvd.reducescatter(x), "sum"),
-        ("reducescatter sum", lambda x: hvd.reducescatter(x, op=hvd.Sum), "sum"),
+        # Horovod's reducescatter gradient is n times the sum's (allgather, times n for Sum)
+        ("reducescatter avg", lambda x: hvd.reducescatter(x), "n * sum"),
+        ("reducescatter sum", lambda x: hvd.reducescatter(x, op=hvd.Sum), "n * sum"),
     ]
     problems: list[str] = []
     for label, fn, combine in cases:
@@ -221,8 +222,8 @@ def gradients_job() -> list[str]:
             return jnp.sum(jnp.sin(y) * weight)
 
         def total(x: Any, loss: Any = loss, combine: str = combine) -> float:
-            value = hvd.allreduce(loss(x), op=hvd.Sum if combine == "sum" else hvd.Average)
-            return float(value)
+            value = hvd.allreduce(loss(x), op=hvd.Average if combine == "mean" else hvd.Sum)
+            return float(value) * (n if combine == "n * sum" else 1)
 
         numeric = np.zeros(x0.shape)
         h = 1e-6

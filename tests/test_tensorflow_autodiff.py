@@ -84,15 +84,15 @@ def _gradients(c: Checks, tf: Any, hvd: Any) -> None:
         got = _grad(tf, lambda t: hvd.alltoall(t, splits=splits[me])[0], ax[me], aw[me], graph)
         c.close(f"alltoall {mode}", got, want)
 
-        # reducescatter: every rank's weights, concatenated (divided by n for Average)
+        # reducescatter: every rank's weights, concatenated, times n for Sum (Horovod's rule)
         rs_rows = 2 * n + 1
         q, m = divmod(rs_rows, n)
         counts = [q + (1 if r < m else 0) for r in range(n)]
         rx = [make(f64, r, (rs_rows, 2)) for r in range(n)]
         rw = [make(f64, r + 10, (counts[r], 2)) for r in range(n)]
-        for op_name, op, divisor in (("Sum", hvd.Sum, 1), ("Average", hvd.Average, n)):
+        for op_name, op, factor in (("Sum", hvd.Sum, n), ("Average", hvd.Average, 1)):
             got = _grad(tf, lambda t, op=op: hvd.reducescatter(t, op=op), rx[me], rw[me], graph)
-            c.close(f"reducescatter {op_name} {mode}", got, np.concatenate(rw) / divisor)
+            c.close(f"reducescatter {op_name} {mode}", got, np.concatenate(rw) * factor)
 
 
 def _model(tf: Any, me: int) -> tuple[list[Any], Callable[[], Any]]:

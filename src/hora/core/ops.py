@@ -346,6 +346,18 @@ def reducescatter(
     )  # fmt: skip
 
 
+def reducescatter_grad_scale(op: int, set_size: int, prescale: float, postscale: float) -> float:
+    """What every binding multiplies the allgathered upstream gradient of a reducescatter
+    by: Horovod's rule, the set size for Sum (1 for Average), times both scale factors.
+
+    Args:
+        op: SUM or AVERAGE.
+        set_size: the members of the process set.
+        prescale, postscale: the collective's scale factors.
+    """
+    return float(set_size if op == SUM else 1) * prescale * postscale
+
+
 def barrier(runtime: Runtime, process_set: ProcessSet) -> Handle:
     """Queues a barrier over the set (one barrier per set may be in flight on a rank)."""
     sid = set_id(runtime, process_set, "barrier")

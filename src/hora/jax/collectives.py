@@ -14,8 +14,8 @@ the same order (the same program does):
 * allgather: the averaged upstream gradient, then this rank's rows.
 * broadcast: the averaged upstream gradient on the root, zeros elsewhere.
 * alltoall: the upstream gradient sent back where it came from.
-* reducescatter: the allgathered upstream gradient, times the scale factors (and
-  ``1/size`` for Average).
+* reducescatter: the allgathered upstream gradient, times the scale factors (and the
+  set size for Sum).
 
 Integer inputs get no gradient (a zero cotangent).
 
@@ -455,7 +455,7 @@ def _reducescatter(
         if not wanted:
             return grads
         gathered = _allgather_rows([dys[i] for i in wanted], [xs[i].shape[0] for i in wanted], process_set)
-        factor = prescale * postscale / (size if op == AVERAGE else 1)
+        factor = ops.reducescatter_grad_scale(op, size, prescale, postscale)
         for i, g in zip(wanted, gathered):
             grads[i] = g * factor if factor != 1.0 else g
         return grads

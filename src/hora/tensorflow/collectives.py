@@ -17,8 +17,8 @@ them in the same order, which the same training step does):
 * allgather: the averaged upstream gradient, then this rank's rows.
 * broadcast: the averaged upstream gradient on the root, zeros elsewhere.
 * alltoall: the upstream gradient sent back where it came from.
-* reducescatter: the allgathered upstream gradient, times the scale factors (and
-  ``1/size`` for Average).
+* reducescatter: the allgathered upstream gradient, times the scale factors (and the
+  set size for Sum).
 
 Example, on 2 ranks::
 
@@ -477,7 +477,7 @@ def _reducescatter(
         if not wanted:
             return grads
         gathered = _allgather([dys[i] for i in wanted], None, process_set, True)
-        factor = prescale * postscale / (size if op == AVERAGE else 1)
+        factor = ops.reducescatter_grad_scale(op, size, prescale, postscale)
         for i, g in zip(wanted, gathered):
             grads[i] = g * tf.constant(factor, dtype=g.dtype) if factor != 1.0 else g
         return grads

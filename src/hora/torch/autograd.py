@@ -26,7 +26,7 @@ import torch
 
 from hora.core import ops
 from hora.core.api import current, synchronize
-from hora.collectives.reduce import AVERAGE, SUM
+from hora.collectives.reduce import AVERAGE
 from hora.compression import Compression, Compressor
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import collectives as c
@@ -292,7 +292,7 @@ class HorovodReducescatter(torch.autograd.Function):
         prescale_factor: float,
         postscale_factor: float,
     ) -> torch.Tensor:
-        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
+        ctx.scale = ops.reducescatter_grad_scale(op, process_set.size() or 1, prescale_factor, postscale_factor)
         ctx.process_set = process_set
         handle = c.reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
         return synchronize(handle)  # type: ignore[no-any-return]
@@ -301,11 +301,6 @@ class HorovodReducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad = allgather(grad_output * ctx.scale if ctx.scale != 1.0 else grad_output, process_set=ctx.process_set)
         return grad, None, None, None, None, None
-
-
-def _reducescatter_grad_scale(op: int, process_set: ProcessSet, prescale: float, postscale: float) -> float:
-    scale = float((process_set.size() or 1) if op == SUM else 1)
-    return scale * prescale * postscale
 
 
 def reducescatter(
@@ -344,7 +339,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         postscale_factor: float,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
+        ctx.scale = ops.reducescatter_grad_scale(op, process_set.size() or 1, prescale_factor, postscale_factor)
         ctx.process_set = process_set
         handle = c.grouped_reducescatter_async(
             list(tensors), name, op, process_set, prescale_factor, postscale_factor
