@@ -260,3 +260,36 @@ def test_a_collective_waiting_in_a_session_says_it_holds_an_inter_op_thread() ->
     assert results[0][0] == results[1][0] == "[2.0]"
     assert len(results[0]) == 2 and "inter_op_parallelism_threads=N" in results[0][1], results[0]
     assert len(results[1]) == 1, results[1]  # rank 1's op did not wait
+
+
+def session_variables_job() -> list[str]:
+    tf, hvd = start()
+    c = Checks()
+    me, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.compat.v1.Variable(np.full((2, 2), float(me), np.float32))
+        b = tf.compat.v1.Variable(np.full(3, float(me + 10), np.float64))
+        sync = hvd.broadcast_global_variables(root_rank=n - 1)  # an op, as Horovod's
+        (updated,) = hvd.broadcast_([a], root_rank=0)  # evaluating it runs the broadcast
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            c.close("before the op runs", session.run(a), np.full((2, 2), float(me)))
+            session.run(sync)
+            c.close("global variables a", session.run(a), np.full((2, 2), float(n - 1)))
+            c.close("global variables b", session.run(b), np.full(3, float(n - 1 + 10)))
+            session.run(b.assign(np.full(3, float(me), np.float64)))
+            session.run(a.assign(np.full((2, 2), float(me + 5), np.float32)))
+            c.close("broadcast_ result", session.run(updated), np.full((2, 2), 5.0))
+            c.close("broadcast_ variable", session.run(a), np.full((2, 2), 5.0))
+            c.close("b untouched", session.run(b), np.full(3, float(me)))
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.timeout(120)
+def test_tf1_session_broadcasts_global_variables_and_in_place_through_ops() -> None:
+    # Horovod's own test_horovod_broadcast_graph_mode and test_horovod_broadcast_inplace_cpu.
+    results = run_ranks(2, session_variables_job, timeout=100, env=TF_ENV)
+    for rank, problems in enumerate(results):
+        assert not problems, f"rank {rank}: {problems[:8]}"

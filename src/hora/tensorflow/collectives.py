@@ -377,18 +377,24 @@ def broadcast(
 def broadcast_(
     variables: Any, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Any:
-    """Overwrites each variable with ``root_rank``'s value; returns the variables.
+    """Overwrites each variable with ``root_rank``'s value.
 
     Takes one variable or a list; all are broadcast as one batch of collectives.
+
+    Returns:
+        Eagerly and in ``tf.function``, the variables. In a TF1 graph, what each
+        assignment returns (the variable's new value: evaluating it runs the broadcast,
+        as Horovod's in-place op does).
     """
     single = not isinstance(variables, (list, tuple))
     targets = [variables] if single else list(variables)
     if not targets:
         return variables
     values = _broadcast([tf.convert_to_tensor(v) for v in targets], root_rank, name, process_set, True)
-    for variable, value in zip(targets, values):
-        variable.assign(value)
-    return variables
+    assigned = [variable.assign(value) for variable, value in zip(targets, values)]
+    if tf.executing_eagerly() or tf.inside_function():
+        return variables
+    return assigned[0] if single else assigned
 
 
 # ----- alltoall -----

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import tensorflow as tf  # type: ignore[import-untyped]
+
 from hora.core import api
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow.collectives import broadcast_
@@ -17,7 +19,7 @@ from hora.tensorflow.collectives import broadcast_
 
 def broadcast_variables(
     variables: Iterable[Any], root_rank: int, process_set: ProcessSet = global_process_set, inplace: bool = False
-) -> None:
+) -> Any:
     """Overwrites every variable with ``root_rank``'s value, on every rank of the set.
 
     Every rank must pass the same variables in the same order (shapes are checked
@@ -25,23 +27,37 @@ def broadcast_variables(
     one rank. ``inplace`` is accepted for Horovod compatibility: hora always assigns
     into the variables (one copy each; TensorFlow offers no way to receive into a
     variable's buffer directly).
+
+    Returns:
+        None eagerly (the variables are assigned now) and in ``tf.function`` (where the
+        assignments run with the function); in a TF1 graph, the op that assigns them
+        (``session.run`` it), as Horovod's.
     """
     targets = list(variables)
-    if targets:
-        broadcast_(targets, root_rank, process_set=process_set)
+    assigned = broadcast_(targets, root_rank, process_set=process_set) if targets else []
+    if tf.executing_eagerly() or tf.inside_function():
+        return None
+    return tf.group(*assigned)
 
 
-def broadcast_global_variables(root_rank: int) -> None:
-    """Horovod's TF1 call; TensorFlow 2 has no global variable collection.
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 call: the op that broadcasts the graph's global variables.
+
+    Returns:
+        The op (``broadcast_variables`` of ``tf.compat.v1.global_variables()``).
 
     Raises:
-        RuntimeError: always, saying what to call instead.
+        RuntimeError: eagerly, where TensorFlow keeps no collection of variables; the
+            message says what to call instead.
     """
-    raise RuntimeError(
-        "hvd.broadcast_global_variables() needs TF1 graph collections, which TensorFlow 2 does not keep. "
-        "Broadcast the variables themselves: hvd.broadcast_variables(model.variables, root_rank=0) "
-        "(and optimizer.variables), or in Keras pass hvd.callbacks.BroadcastGlobalVariablesCallback(0) to model.fit."
-    )
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() needs TF1 graph collections, which eager TensorFlow 2 does not "
+            "keep. Broadcast the variables themselves: hvd.broadcast_variables(model.variables, root_rank=0) "
+            "(and optimizer.variables), or in Keras pass hvd.callbacks.BroadcastGlobalVariablesCallback(0) to "
+            "model.fit."
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def broadcast_object(
