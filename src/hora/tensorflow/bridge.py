@@ -60,6 +60,7 @@ from hora.core import binding, ops
 from hora.core.api import current
 from hora.collectives.reduce import data_type_of
 from hora.core.ops import RequestType
+from hora.errors import CollectiveMismatchError
 from hora.core.process_sets import ProcessSet
 
 Kernel = Callable[..., Any]
@@ -72,6 +73,26 @@ XLA_MESSAGE = (
     "tf.function(..., jit_compile=False), or model.compile(..., jit_compile=False) in Keras "
     "(Keras 3 turns XLA on by itself when it sees a GPU)."
 )
+
+
+class MismatchError(CollectiveMismatchError, tf.errors.FailedPreconditionError):  # type: ignore[misc]
+    """Eagerly, a collective the ranks disagree about: hora's ``CollectiveMismatchError``
+    and the ``tf.errors.FailedPreconditionError`` Horovod's TensorFlow ops raise for it.
+    (Inside a graph TensorFlow turns any Python error of an op into ``UnknownError``.)"""
+
+    def __init__(self, message: str) -> None:
+        CollectiveMismatchError.__init__(self, message)
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):  # type: ignore[misc]
+    """Eagerly, a collective's arguments refused on this rank: the ``ValueError`` hora
+    raises and the ``tf.errors.InvalidArgumentError`` Horovod's TensorFlow ops raise
+    (inside a graph TensorFlow makes every ``ValueError`` of an op one already)."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
 
 def view(tensor: Any) -> ops.Tensor:
@@ -252,7 +273,12 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
         The kernel's outputs as a list (static shapes are the caller's to set).
     """
     if tf.executing_eagerly():
-        return list(kernel(None, *inputs))
+        try:
+            return list(kernel(None, *inputs))
+        except CollectiveMismatchError as exc:
+            raise MismatchError(str(exc)) from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
     check_not_xla(what)
     key, op_name = draw_key(what)
     from tensorflow.python.framework import ops as tf_ops
