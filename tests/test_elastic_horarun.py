@@ -241,6 +241,68 @@ def test_a_change_of_hosts_reaches_on_hosts_updated_without_a_commit(tmp_path: P
     assert result.stdout.count("finished in a world of 2") == 2, result.stdout + result.stderr[-3000:]
 
 
+TF_WORKER = r"""
+import os, sys, threading
+import tensorflow as tf
+import hora.tensorflow as hvd
+
+out = sys.argv[1]
+hvd.init()
+w = tf.Variable([1.0, 2.0])
+notified = threading.Event()
+
+class State(hvd.elastic.TensorFlowState):
+    def on_hosts_updated(self, timestamp, update_res):
+        super().on_hosts_updated(timestamp, update_res)
+        notified.set()
+
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * x)
+    (g,) = hvd.DistributedGradientTape(tape).gradient(loss, [w])
+    w.assign_sub(0.01 * g)
+    return g
+
+@hvd.elastic.run
+def train(state):
+    g = None
+    while state.step < 6:
+        g = step(tf.constant([float(hvd.rank() + 1)] * 2))  # rank 0 traced it in a world of 1
+        state.step += 1
+        if hvd.size() == 1 and state.step == 3:
+            open(os.path.join(out, "waiting"), "w").close()
+            if not notified.wait(60):
+                raise TimeoutError("no change of hosts")
+        state.commit()
+    return g.numpy().tolist()
+
+last = train(State([w], step=0))
+print("finished", hvd.size(), last, flush=True)
+"""
+
+
+def test_a_tf_function_traced_in_a_world_of_one_reduces_gradients_once_the_world_grows(tmp_path: Path) -> None:
+    # Horovod's own elastic_tensorflow2_main.py: the step traced at size 1 skipped the
+    # allreduce for good, so after a host was added rank 0 ran none while the new rank
+    # waited in its own. The size is now read when the step runs, as Horovod's size_op().
+    job = ElasticJob(tmp_path, ["localhost"])
+    (tmp_path / "worker.py").write_text(TF_WORKER)
+
+    def add_one(job: ElasticJob) -> None:
+        end = time.monotonic() + 120
+        while not (job.dir / "waiting").exists():
+            assert time.monotonic() < end, "the worker never started waiting"
+            time.sleep(0.05)
+        job.set_hosts(["localhost", "127.0.0.1"])
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTEROP_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
+    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", env=env, during=add_one)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Both ranks' last gradient is the average of rank 0's [1, 1] and rank 1's [2, 2].
+    assert result.stdout.count("finished 2 [1.5, 1.5]") == 2, result.stdout + result.stderr[-3000:]
+
+
 def test_a_removed_host_loses_its_worker_and_the_rest_go_on(tmp_path: Path) -> None:
     job = ElasticJob(tmp_path, ["localhost", "127.0.0.1", "127.0.0.2"])
 

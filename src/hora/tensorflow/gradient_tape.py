@@ -26,6 +26,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 from hora.collectives.reduce import ADASUM, AVERAGE, OP_NAMES, SUM
 from hora.compression import Compressor, NoneCompressor
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.tensorflow.basics import size_op
 from hora.tensorflow.collectives import allreduce, grouped_allreduce
 
 
@@ -116,8 +117,12 @@ class GradientReducer:
                 ``groups`` given as variables and for local variables).
         """
         out = list(grads)
-        size = self.process_set.size() or 1
-        if not self.process_set.included() or size == 1:
+        if not self.process_set.included():
+            return out
+        # In a graph the size is read when the step runs, not when it is traced: an elastic
+        # job's tf.function outlives the world it was traced in (Horovod reads size_op()).
+        eager = tf.executing_eagerly()
+        if eager and (self.process_set.size() or 1) == 1:
             return out
         local = self.local if variables is not None else set()
         dense: list[int] = []
@@ -126,7 +131,7 @@ class GradientReducer:
                 continue
             if variables is not None and id(variables[i]) in local:
                 if self.scale_local_gradients:
-                    out[i] = _scale(grad, 1.0 / size)
+                    out[i] = _scale(grad, self._size(eager))
                 continue
             if isinstance(grad, tf.IndexedSlices):
                 if not self.sparse_as_dense:
@@ -148,10 +153,18 @@ class GradientReducer:
         return out
 
 
-def _scale(grad: Any, factor: float) -> Any:
+    def _size(self, eager: bool) -> Any:
+        """The set's size: a number eagerly, an op read when the step runs in a graph."""
+        if eager:
+            return self.process_set.size() or 1
+        return size_op(self.process_set.process_set_id or 0)
+
+
+def _scale(grad: Any, size: Any) -> Any:
+    """``grad / size`` (``size`` a number or an int32 op)."""
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.constant(factor, dtype=grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.constant(factor, dtype=grad.dtype)
+        return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad / tf.cast(size, grad.dtype)
 
 
 class DistributedGradientTape(tf.GradientTape):  # type: ignore[misc]
