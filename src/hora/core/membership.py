@@ -89,6 +89,8 @@ class Membership:
                     (value,) = client.wait([worlds.hosts_key(index)], WATCH_WAIT_S)
                 except RendezvousTimeout:
                     continue
+                if self._closed.is_set():
+                    break  # a reset: the next world's watcher starts after what that world knows
                 index += 1
                 update = worlds.decode_host_update(value)
                 with self._lock:
