@@ -194,6 +194,15 @@ def test_an_added_host_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
     assert "elastic world 1: 4 ranks" in result.stderr and result.stdout.count("finished") == 4
 
 
+def add_a_host_once_waiting(job: ElasticJob) -> None:
+    """``during`` of the one-rank jobs below: adds 127.0.0.1 once the worker wrote ``waiting``."""
+    end = time.monotonic() + 120
+    while not (job.dir / "waiting").exists():
+        assert time.monotonic() < end, "the worker never started waiting"
+        time.sleep(0.05)
+    job.set_hosts(["localhost", "127.0.0.1"])
+
+
 NOTIFIED_WORKER = r"""
 import os, sys, threading
 import hora.numpy as hvd
@@ -229,14 +238,7 @@ def test_a_change_of_hosts_reaches_on_hosts_updated_without_a_commit(tmp_path: P
     job = ElasticJob(tmp_path, ["localhost"])
     (tmp_path / "worker.py").write_text(NOTIFIED_WORKER)
 
-    def add_one(job: ElasticJob) -> None:
-        end = time.monotonic() + 90
-        while not (job.dir / "waiting").exists():
-            assert time.monotonic() < end, "the worker never started waiting"
-            time.sleep(0.05)
-        job.set_hosts(["localhost", "127.0.0.1"])
-
-    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", during=add_one)
+    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", during=add_a_host_once_waiting)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("finished in a world of 2") == 2, result.stdout + result.stderr[-3000:]
 
@@ -289,15 +291,8 @@ def test_a_tf_function_traced_in_a_world_of_one_reduces_gradients_once_the_world
     job = ElasticJob(tmp_path, ["localhost"])
     (tmp_path / "worker.py").write_text(TF_WORKER)
 
-    def add_one(job: ElasticJob) -> None:
-        end = time.monotonic() + 120
-        while not (job.dir / "waiting").exists():
-            assert time.monotonic() < end, "the worker never started waiting"
-            time.sleep(0.05)
-        job.set_hosts(["localhost", "127.0.0.1"])
-
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTEROP_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
-    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", env=env, during=add_one)
+    result = job.run("-np", "1", "--min-np", "1", "--max-np", "2", env=env, during=add_a_host_once_waiting)
     assert result.returncode == 0, result.stderr[-3000:]
     # Both ranks' last gradient is the average of rank 0's [1, 1] and rank 1's [2, 2].
     assert result.stdout.count("finished 2 [1.5, 1.5]") == 2, result.stdout + result.stderr[-3000:]

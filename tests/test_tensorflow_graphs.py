@@ -34,6 +34,12 @@ FUNCTION_RUNS = 10
 INTER_OP_THREADS = 32  # each waiting collective holds one (docs/tensorflow.md)
 
 
+def expect_no_problems(results: list[list[str]]) -> None:
+    """Fails with the first problems of the first rank that found any."""
+    for rank, problems in enumerate(results):
+        assert not problems, f"rank {rank}: {problems[:8]}"
+
+
 def _values(i: int, rank: int, n: int) -> np.ndarray:
     """Input ``i`` of ``rank``: its own shape per input, so a swapped name cannot pass."""
     rows = 2 * n if i == 7 else (n if i == 8 else i + 1)
@@ -145,9 +151,7 @@ def graphs_job() -> list[str]:
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.timeout(400)
 def test_graph_collectives_agree_whatever_order_ranks_run_them(size: int) -> None:
-    results = run_ranks(size, graphs_job, timeout=380, env=TF_ENV)
-    for rank, problems in enumerate(results):
-        assert not problems, f"rank {rank}: {problems[:8]}"
+    expect_no_problems(run_ranks(size, graphs_job, timeout=380, env=TF_ENV))
 
 
 def one_sided_job(culprit: int) -> dict[str, str]:
@@ -226,9 +230,7 @@ def test_a_session_that_fetches_only_a_broadcasts_gradient_runs_its_allreduce_on
     # Found with Horovod's own test_tensorflow.py: the other ranks' gradient was
     # zeros_like(allreduce), which TensorFlow folds to a constant, pruning the allreduce
     # there; the root waited for it for ever. Horovod's gradient is allreduce * 0.
-    results = run_ranks(size, broadcast_gradient_only_job, timeout=180, env=TF_ENV)
-    for rank, problems in enumerate(results):
-        assert not problems, f"rank {rank}: {problems[:8]}"
+    expect_no_problems(run_ranks(size, broadcast_gradient_only_job, timeout=180, env=TF_ENV))
 
 
 def session_wait_job() -> list[str]:
@@ -290,6 +292,4 @@ def session_variables_job() -> list[str]:
 @pytest.mark.timeout(120)
 def test_tf1_session_broadcasts_global_variables_and_in_place_through_ops() -> None:
     # Horovod's own test_horovod_broadcast_graph_mode and test_horovod_broadcast_inplace_cpu.
-    results = run_ranks(2, session_variables_job, timeout=100, env=TF_ENV)
-    for rank, problems in enumerate(results):
-        assert not problems, f"rank {rank}: {problems[:8]}"
+    expect_no_problems(run_ranks(2, session_variables_job, timeout=100, env=TF_ENV))

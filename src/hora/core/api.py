@@ -130,7 +130,11 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _context.runtime = runtime
         _context.membership = membership
         if membership is not None:
-            membership.watch(_deliver_host_update)
+            try:
+                membership.watch(_deliver_host_update)
+            except BaseException:
+                shutdown()  # the runtime is up: take it down again, as a failed set below does
+                raise
         _context.dynamic = dynamic
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
