@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,6 +170,7 @@ def run_ranks(
                 proc.wait()
         if server is not None:
             server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     if not check:
         return results
     if timed_out or any(r.returncode != 0 for r in results):

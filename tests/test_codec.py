@@ -13,12 +13,13 @@ def test_request_and_response_round_trip():
     requests = [
         Request(3, RequestType.ALLTOALL, "alltoall.x", 2, 7, (4, 5), 1, 0, 0.5, 2.0, (1, 3), "grp", 2),
         Request(0, RequestType.ALLREDUCE, "allreduce.ünïcode", shape=()),
+        Request(1, RequestType.BROADCAST, "broadcast.y", error="ValueError: bad root", scope=5),
     ]
     assert messages.decode_requests(messages.encode_requests(requests)) == (requests, [], [])
     assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7])) == (requests, [4, 0, 7], [])
-    riders = [b"", b"\x00\x01", b"", b"abcd", b""]
+    riders = [b"", b"\x00\x01", b"", b"", b"abcd", b""]
     assert messages.decode_requests(messages.encode_requests(requests, [4, 0, 7], riders)) == (requests, [4, 0, 7], riders)
-    with pytest.raises(ProtocolError, match="2 riders for 5 tensors"):
+    with pytest.raises(ProtocolError, match="2 riders for 6 tensors"):
         messages.decode_requests(messages.encode_requests(requests, [4, 0, 7], [b"", b"x"]))
     responses = [
         Response(ResponseType.ALLREDUCE, ["a", "b"], 1, 7, 1, 0, 1.0, 0.25, [3, 4]),

@@ -275,6 +275,26 @@ def test_a_refused_request_fails_the_tensor_on_every_rank_naming_the_rank():
     assert response.error == "alltoall 'a': refused by rank 1: ValueError: splits must be integers"
 
 
+def test_a_refusal_from_an_earlier_tf1_graph_does_not_meet_a_later_graphs_tensor_of_its_name():
+    c = Coordinator(2, fusion_threshold=0)
+    # Rank 1 refused the op while building graph 1; rank 0 built it and never ran it.
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.k", error="ValueError: a scalar", scope=1))
+    # Graph 2 reuses the name (names restart per graph): rank 0's op comes first.
+    c.submit(req(0, "alltoall.k", kind=RequestType.ALLTOALL, scope=2))
+    assert take(c) == []  # the stale refusal is gone, rank 1's op is awaited
+    c.submit(req(1, "alltoall.k", kind=RequestType.ALLTOALL, scope=2))
+    [(response, members)] = c.take()
+    assert response.type == ResponseType.ALLTOALL and members == (0, 1)
+    # A refusal from the same graph still fails the op, in either order.
+    c.submit(req(0, "alltoall.m", kind=RequestType.ALLTOALL, scope=3))
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.m", error="ValueError: a scalar", scope=3))
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.n", error="ValueError: a scalar", scope=3))
+    c.submit(req(0, "alltoall.n", kind=RequestType.ALLTOALL, scope=3))
+    failed = [(ResponseType.ERROR, ["alltoall.m"], (0, 1)), (ResponseType.ERROR, ["alltoall.n"], (0, 1))]
+    assert take(c) == failed
+    assert c.stalls(0.0) == []
+
+
 class Clock:
     def __init__(self):
         self.now = 100.0

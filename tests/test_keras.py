@@ -174,6 +174,9 @@ def keras_job(legacy_keras: bool) -> list[str]:
     model.fit(x_mine, y_mine, batch_size=BATCH, epochs=2, verbose=0, validation_data=(x_mine, y_mine),
               callbacks=[hvd.callbacks.MetricAverageCallback(), checkpoint])  # fmt: skip
     c.that("BestModelCheckpoint on rank 0 only", os.path.exists(best) == (me == 0), f"rank {me}: {os.path.exists(best)}")
+    hvd_tf().barrier()
+    if me == 0:
+        __import__("shutil").rmtree(folder)
 
     # XLA: turned off by BroadcastGlobalVariablesCallback, an error with the fix otherwise
     model = _build(keras, seed=0)

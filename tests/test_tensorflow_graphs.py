@@ -293,3 +293,37 @@ def session_variables_job() -> list[str]:
 def test_tf1_session_broadcasts_global_variables_and_in_place_through_ops() -> None:
     # Horovod's own test_horovod_broadcast_graph_mode and test_horovod_broadcast_inplace_cpu.
     expect_no_problems(run_ranks(2, session_variables_job, timeout=100, env=TF_ENV))
+
+
+def stale_refusal_job() -> list[str]:
+    import time
+
+    tf, hvd = start()
+    c = Checks()
+    me = hvd.rank()
+    with tf.Graph().as_default():
+        # Rank 1's trace is refused (a scalar); rank 0 builds the op and never runs it.
+        try:
+            hvd.alltoall(tf.constant(1.0) if me == 1 else tf.constant([1.0, 2.0]))
+            c.that("graph 1 on rank 1", me != 1, "the scalar was not refused")
+        except ValueError as exc:
+            c.that("graph 1 on rank 0", me == 1, str(exc))
+    hvd.barrier()
+    with tf.Graph().as_default():  # the same key as graph 1's op: a new op, which every rank runs
+        if me == 1:
+            time.sleep(1.0)  # rank 0's request reaches the coordinator first
+        out = hvd.alltoall(tf.constant([10.0 * me, 10.0 * me + 1.0]))
+        with tf.compat.v1.Session() as session:
+            try:
+                c.close("graph 2", session.run(out), np.array([0.0, 10.0] if me == 0 else [1.0, 11.0]))
+            except Exception as exc:  # noqa: BLE001 - the problem is the message
+                c.problems.append(f"graph 2: {type(exc).__name__}: {exc}")
+    total = hvd.allreduce(tf.constant([float(me)]), op=hvd.Sum, name="after")
+    c.close("after", total, np.array([1.0]))
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_while_tracing_an_op_nobody_runs_does_not_meet_a_later_graphs_op_of_the_same_name() -> None:
+    expect_no_problems(run_ranks(2, stale_refusal_job, timeout=60, env=TF_ENV))

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -76,7 +77,10 @@ class Runtime:
         self._ids = itertools.count(1)
         self._handles: dict[int, tuple[Handle | list[Handle], Finish]] = {}
         self._batch = threading.local()  # .pending: the entries of this thread's open batch()
+        self._scope = threading.local()  # .number: the scope of this thread's requests (in_scope)
         self._unnamed: dict[tuple[str, int], int] = {}
+        self._scopes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._scope_numbers = itertools.count(1)  # not len(_scopes): collected scopes leave it
 
     @property
     def rank(self) -> int:
@@ -97,6 +101,27 @@ class Runtime:
             count = self._unnamed.get((op, set_id), 0) + 1
             self._unnamed[(op, set_id)] = count
             return count
+
+    def scope_number(self, scope: Any) -> int:
+        """Numbers ``scope`` (a TF1 graph), from 1, in the order this rank first asks;
+        held weakly. Ranks that build the same graphs in the same order number them alike.
+        """
+        with self._lock:
+            number = self._scopes.get(scope)
+            if number is None:
+                number = self._scopes[scope] = next(self._scope_numbers)
+            return number
+
+    @contextlib.contextmanager
+    def in_scope(self, number: int) -> Iterator[None]:
+        """Marks the requests and refusals this thread makes inside the block as coming
+        from scope ``number`` (``Request.scope``)."""
+        outer = getattr(self._scope, "number", 0)
+        self._scope.number = number
+        try:
+            yield
+        finally:
+            self._scope.number = outer
 
     def submit(
         self,
@@ -136,6 +161,7 @@ class Runtime:
             splits=tuple(int(s) for s in splits),
             group=group,
             group_size=group_size,
+            scope=getattr(self._scope, "number", 0),
         )
         handle = Handle(name, self.engine.drive)
         entry = Entry(request, dtype, data, output, handle)
@@ -159,7 +185,7 @@ class Runtime:
         for name in names:
             request = Request(
                 rank=self.rank, type=kind, name=name, process_set_id=process_set_id,
-                group=group[0], group_size=group[1], error=error,
+                group=group[0], group_size=group[1], error=error, scope=getattr(self._scope, "number", 0),
             )  # fmt: skip
             entries.append(Entry(request, DataType.UINT8, None, None, Handle(name)))
         if any(self.engine.queue.peek(process_set_id, name) is not None for name in names):

@@ -48,6 +48,7 @@ def signature(request: Request) -> Signature:
         request.group,
         request.group_size,
         request.error,  # a refusal never matches a cached tensor
+        request.scope,  # a new TF1 graph's op reaches the coordinator in full (Coordinator._record)
     )
 
 

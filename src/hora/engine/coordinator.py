@@ -187,6 +187,8 @@ class Coordinator:
                 self.timeline.begin(request.name, f"NEGOTIATE_{request.type.name}")
         if self.timeline is not None:
             self.timeline.tick(request.name, str(request.rank))
+        if request.scope and not request.error:
+            self._retire_stale_refusals(pending, request.scope)
         if request.rank not in pending.requests:
             if self._waiting_of[request.rank] >= MAX_PENDING_PER_RANK:
                 raise ProtocolError(
@@ -197,6 +199,25 @@ class Coordinator:
         if cache_id >= 0:
             pending.cached[request.rank] = cache_id
         return key, pending, members
+
+    def _retire_stale_refusals(self, pending: _Pending, scope: int) -> None:
+        """Drops the refusals of ``pending`` sent while ranks built an earlier TF1 graph
+        than ``scope``, the graph of a request that just came under the same name.
+
+        In a TF1 graph a collective is named when its op is built, and names restart in
+        every graph. A rank whose checks fail while it builds an op refuses it at once,
+        so that the others' op fails when it runs; when they never run it, the refusal
+        would wait here and fail the op of the same name in a later graph instead (and
+        the refusing rank, which ran that op, would wait for ever). Every rank builds
+        the same graphs in the same order, so a request from a later graph means the
+        refused op is one that nobody will run.
+        """
+        for rank, other in list(pending.requests.items()):
+            if other.error and 0 < other.scope < scope:
+                del pending.requests[rank]
+                self._waiting_of[rank] -= 1
+        if not pending.requests:
+            pending.first_seen = self._clock()  # for stall warnings, the tensor is new
 
     def depart(self, rank: int, how: str = "has shut down") -> None:
         """Records that ``rank`` left: collectives that need it fail, others go on.

@@ -109,6 +109,10 @@ class Request:
         error: set when this rank's own checks refused the tensor (bad splits, a root
             out of range, ...): the coordinator then fails it on every rank, naming
             this rank and the message, instead of running it.
+        scope: the TF1 graph the tensor's op was built in, numbered by this rank in the
+            order its graphs were built (0: not a TF1 graph's op). Names restart in
+            every graph, so a refusal sent while a graph was built, for an op nobody ran,
+            must not meet a later graph's op of the same name (``Coordinator._record``).
     """
 
     rank: int
@@ -125,6 +129,7 @@ class Request:
     group: str = ""
     group_size: int = 0
     error: str = ""
+    scope: int = 0
 
     @property
     def label(self) -> str:
@@ -135,7 +140,7 @@ class Request:
         writer.fixed(_RANK_TYPE, self.rank, self.type).string(self.name)
         writer.fixed(_SET_DTYPE, self.process_set_id, self.dtype).i64s(self.shape)
         writer.fixed(_OP_SCALES, self.reduce_op, self.root_rank, self.prescale, self.postscale)
-        writer.i64s(self.splits).string(self.group).u32(self.group_size).string(self.error)
+        writer.i64s(self.splits).string(self.group).u32(self.group_size).string(self.error).u32(self.scope)
 
     @classmethod
     def decode(cls, reader: Reader) -> Request:
@@ -159,6 +164,7 @@ class Request:
             group=reader.string(),
             group_size=reader.u32(),
             error=reader.string(),
+            scope=reader.u32(),
         )
 
 

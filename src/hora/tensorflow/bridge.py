@@ -40,6 +40,10 @@ ranks. So in a graph an unnamed collective's key is drawn when the op is *built*
 * An op built in the root graph itself is named exactly its key, so TensorFlow's
   messages and hora's name the same node.
 
+A TF1 graph's requests also carry the graph's number (``scope_of``): a refusal sent
+while one graph was built, for an op the other ranks never ran, must not meet the op of
+the same name in a later graph.
+
 A name is reused by its op on every run; that is what lets the response cache skip
 negotiation from the second step on. One op must not run twice at once (a
 ``tf.function`` called from two threads at once, or overlapping iterations of a loop
@@ -219,6 +223,18 @@ def draw_key(what: str) -> tuple[str, str]:
     return prefix + reserved, (f"{reserved}/" if graph is root else base)
 
 
+def scope_of(graph: Any) -> int:
+    """The number of the TF1 graph ``graph`` belongs to, 0 inside a function's graph.
+
+    Numbered when its first collective op is built (``Runtime.scope_number``), so every
+    rank, building the same graphs in the same order, numbers them alike. The op's
+    requests carry it (``Request.scope``): keys restart in every graph, and a refusal
+    sent while one graph was built must not meet a later graph's op of the same name.
+    """
+    root = _root(graph)
+    return 0 if root.building_function else current().scope_number(root)
+
+
 def check_traced(
     checks: Callable[[], None],
     kind: RequestType,
@@ -252,13 +268,16 @@ def check_traced(
     try:
         checks()
     except Exception:
+        from tensorflow.python.framework import ops as tf_ops
+
         key, _ = draw_key(what)
         runtime = current()
         op = what.removeprefix("grouped_")
         _, names, group = binding.call_names(
             runtime, op, name, process_set, grouped, count, key, wire_group=kind != RequestType.BROADCAST
         )
-        with ops.refusal(runtime, kind, names, process_set, group):
+        scope = scope_of(tf_ops.get_default_graph())
+        with runtime.in_scope(scope), ops.refusal(runtime, kind, names, process_set, group):
             raise
 
 
@@ -283,11 +302,12 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
     key, op_name = draw_key(what)
     from tensorflow.python.framework import ops as tf_ops
 
-    in_session = not _root(tf_ops.get_default_graph()).building_function  # a TF1 graph
+    scope = scope_of(tf_ops.get_default_graph())  # not 0: a TF1 graph, run by a Session
 
     def body(*tensors: Any) -> Any:
-        if in_session:
-            return _holding_a_session_thread(key, lambda: kernel(key, *tensors))
+        if scope:
+            with current().in_scope(scope):
+                return _holding_a_session_thread(key, lambda: kernel(key, *tensors))
         return kernel(key, *tensors)
 
     outputs = tf.py_function(body, list(inputs), list(out_dtypes), name=op_name)
