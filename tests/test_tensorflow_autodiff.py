@@ -199,6 +199,10 @@ def autodiff_job() -> list[str]:
                 c.close(f"tape in set grad {i}", got, pair_mean[i])
         else:
             c.raises("allreduce outside set", lambda: hvd.allreduce(tf.ones(1), process_set=pair), ValueError, "not a member")
+            # Horovod's class too, eagerly and while tracing
+            outside = tf.function(lambda: hvd.allgather(tf.ones(1), process_set=pair))
+            for label, call in (("eager", lambda: hvd.allgather(tf.ones(1), process_set=pair)), ("traced", outside)):
+                c.raises(f"{label} outside set", call, tf.errors.InvalidArgumentError, "not a member")
             for i, got in enumerate(distributed(False, process_set=pair)):
                 c.close(f"tape outside set grad {i}", got, mine[i])  # not a member: gradients unchanged
     hvd.shutdown()

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import tensorflow as tf  # type: ignore[import-untyped]
+
 from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.core.api import is_homogeneous
@@ -57,6 +59,7 @@ from hora.tensorflow.functions import (
     broadcast_variables,
 )
 from hora.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from hora.tensorflow.legacy import BroadcastGlobalVariablesHook, LegacyDistributedOptimizer
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -76,16 +79,18 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
 ) -> Any:
-    """Makes a Keras optimizer average gradients across ranks before it applies them.
+    """Makes an optimizer average gradients across ranks before it applies them.
 
-    Takes optimizers of Keras 3 and of tf_keras (new and legacy); TF1
-    ``tf.compat.v1.train`` optimizers are not supported (use ``DistributedGradientTape``).
-    The optimizer itself is wrapped and returned (see ``hora.tensorflow.optimizer``).
+    Takes optimizers of Keras 3 and of tf_keras (new and legacy): the optimizer itself is
+    wrapped and returned (see ``hora.tensorflow.optimizer``). A TF1
+    ``tf.compat.v1.train.Optimizer`` is wrapped in a new optimizer, as Horovod's
+    (``hora.tensorflow.legacy``).
 
     Args:
-        optimizer: the Keras optimizer.
+        optimizer: the Keras or ``tf.compat.v1.train`` optimizer.
         name: base name of its collectives (default ``Distributed<class name>``).
-        use_locking, device_dense, device_sparse: accepted for Horovod compatibility.
+        use_locking: the TF1 optimizer's ``use_locking``.
+        device_dense, device_sparse: accepted for Horovod compatibility.
         compression: ``Compression.fp16`` sends gradients as float16.
         sparse_as_dense: reduce ``tf.IndexedSlices`` gradients as dense tensors.
         backward_passes_per_step: apply (and communicate) every n-th call, summing locally.
@@ -99,9 +104,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         scale_local_gradients: divide the gradients of local variables (``register_local_var``) by the set size.
 
     Raises:
-        TypeError: not a Keras optimizer.
+        TypeError: not a Keras or TF1 optimizer.
         ValueError: invalid arguments.
+        NotImplementedError: ``op=Adasum`` with a TF1 optimizer.
     """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return LegacyDistributedOptimizer(
+            optimizer, name, use_locking, for_tensorflow(compression), sparse_as_dense, op, gradient_predivide_factor,
+            backward_passes_per_step, average_aggregated_gradients, groups, num_groups, process_set,
+            scale_local_gradients,
+        )  # fmt: skip
     return _optimizer.distribute(
         optimizer, name, for_tensorflow(compression), sparse_as_dense, gradient_predivide_factor, op,
         backward_passes_per_step, average_aggregated_gradients, groups, num_groups, process_set,
@@ -119,6 +131,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BroadcastGlobalVariablesHook",
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",

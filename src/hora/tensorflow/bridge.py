@@ -79,24 +79,29 @@ XLA_MESSAGE = (
 )
 
 
+# The two classes below take TensorFlow's error arguments (node_def, op, message, ...):
+# autograph re-raises an error of a tf.function's trace by calling its class with them.
+
+
 class MismatchError(CollectiveMismatchError, tf.errors.FailedPreconditionError):  # type: ignore[misc]
     """Eagerly, a collective the ranks disagree about: hora's ``CollectiveMismatchError``
     and the ``tf.errors.FailedPreconditionError`` Horovod's TensorFlow ops raise for it.
     (Inside a graph TensorFlow turns any Python error of an op into ``UnknownError``.)"""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, node_def: Any, op: Any, message: str, *args: Any) -> None:
         CollectiveMismatchError.__init__(self, message)
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+        tf.errors.FailedPreconditionError.__init__(self, node_def, op, message, *args)
 
 
 class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):  # type: ignore[misc]
-    """Eagerly, a collective's arguments refused on this rank: the ``ValueError`` hora
-    raises and the ``tf.errors.InvalidArgumentError`` Horovod's TensorFlow ops raise
-    (inside a graph TensorFlow makes every ``ValueError`` of an op one already)."""
+    """A collective's arguments refused on this rank: the ``ValueError`` hora raises and
+    the ``tf.errors.InvalidArgumentError`` Horovod's TensorFlow ops raise. Eagerly, and
+    for membership of a process set also while a graph is built (inside a graph TensorFlow
+    makes every ``ValueError`` of an op one already)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, node_def: Any, op: Any, message: str, *args: Any) -> None:
         ValueError.__init__(self, message)
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+        tf.errors.InvalidArgumentError.__init__(self, node_def, op, message, *args)
 
 
 def view(tensor: Any) -> ops.Tensor:
@@ -171,8 +176,13 @@ def check_dtype(tensor: Any, what: str) -> None:
 
 
 def check_member(process_set: ProcessSet, what: str) -> None:
-    """Raises ValueError at once (also while tracing) when this rank may not use the set."""
-    ops.set_id(current(), process_set, f"hora.tensorflow.{what}")
+    """Raises ``InvalidArgument`` (a ValueError, as Horovod's ops raise
+    ``tf.errors.InvalidArgumentError``) at once, also while tracing, when this rank may
+    not use the set."""
+    try:
+        ops.set_id(current(), process_set, f"hora.tensorflow.{what}")
+    except ValueError as exc:
+        raise InvalidArgument(None, None, str(exc)) from None
 
 
 def check_not_xla(what: str) -> None:
@@ -295,9 +305,9 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
         try:
             return list(kernel(None, *inputs))
         except CollectiveMismatchError as exc:
-            raise MismatchError(str(exc)) from None
+            raise MismatchError(None, None, str(exc)) from None
         except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument(None, None, str(exc)) from None
     check_not_xla(what)
     key, op_name = draw_key(what)
     from tensorflow.python.framework import ops as tf_ops
