@@ -70,6 +70,7 @@ def dynamic_job() -> dict:
     evens = hvd.add_process_set([r for r in range(n) if r % 2 == 0])
     odds = hvd.add_process_set(hvd.ProcessSet([r for r in range(n) if r % 2 == 1]))
     out["ids"] = (evens.process_set_id, odds.process_set_id)
+    out["str"] = str(odds)
     mine = evens if me % 2 == 0 else odds
     out["sum"] = hvd.allreduce(np.array([me]), op=hvd.Sum, process_set=mine).tolist()
     out["rs"] = hvd.reducescatter(np.ones((4, 1)), op=hvd.Sum, process_set=mine).tolist()
@@ -97,6 +98,7 @@ def test_dynamic_add_and_remove():
     results = run_ranks(4, dynamic_job)
     for me, out in enumerate(results):
         assert out["ids"] == (1, 2)
+        assert out["str"] == "ProcessSet(process_set_id=2, ranks=[1, 3], mpi_comm=None)"  # Horovod's
         assert out["sum"] == ([0 + 2] if me % 2 == 0 else [1 + 3])
         assert out["rs"] == [[2.0], [2.0]]
         assert "Attempted to add a duplicate process set" in out["dup"]

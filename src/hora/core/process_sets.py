@@ -75,6 +75,10 @@ class ProcessSet:
             return None
         return runtime.rank in members
 
+    def __str__(self) -> str:
+        """Horovod's: ``ProcessSet(process_set_id=1, ranks=[0, 2], mpi_comm=None)``."""
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
     def __repr__(self) -> str:
         ranks = "all" if self.process_set_id == 0 and not self.ranks else self.ranks
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
