@@ -146,7 +146,7 @@ def autodiff_job() -> list[str]:
     cases: dict[str, tuple[dict[str, Any], list[np.ndarray], float | None]] = {
         "default": ({}, mean, None),
         "Sum": ({"op": hvd.Sum}, total, None),
-        "predivide": ({"gradient_predivide_factor": 2.0}, mean, None),
+        "predivide": ({"gradient_predivide_factor": 2.0, "sparse_as_dense": True}, mean, None),
         "fp16": ({"compression": hvd.Compression.fp16}, mean, 2e-2),
         "groups=2": ({"groups": 2}, mean, None),
         "groups of variables": ({"groups": [[variables[1], variables[2]]]}, mean, None),
@@ -173,6 +173,10 @@ def autodiff_job() -> list[str]:
     with pytest.warns(DeprecationWarning):
         c.close("tape num_groups", distributed(False, num_groups=2)[1], mean[1])
     c.raises("predivide with Sum", lambda: distributed(False, op=hvd.Sum, gradient_predivide_factor=2.0), ValueError, "predivide")
+    if n > 1:  # (one rank reduces nothing) As Horovod: the embedding's tf.IndexedSlices gradient is gathered, which
+        # takes no scale factors.
+        sparse_predivide = lambda: distributed(False, gradient_predivide_factor=2.0)  # noqa: E731
+        c.raises("predivide, sparse", sparse_predivide, NotImplementedError, "sparse_as_dense")
 
     if pair is not None:
         # a process set of the first and the last rank

@@ -243,6 +243,11 @@ def _shapes_and_errors(c: Checks, tf: Any, hvd: Any) -> None:
     c.raises("op and average", lambda: hvd.allreduce(tf.ones(1), average=True, op=hvd.Sum), ValueError, "supersedes")
     c.raises("reducescatter Max", lambda: hvd.reducescatter(tf.ones([2]), op=hvd.Max), NotImplementedError, "Average or Sum")  # UnsupportedOperationError, as in hora.torch
     c.raises("sparse Max", lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])), op=hvd.Max), NotImplementedError, "sparse_as_dense")
+    scaled_sparse = lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])), prescale_factor=0.5)  # noqa: E731
+    c.raises("sparse scaled", scaled_sparse, NotImplementedError, "prescale_factor")
+    # Average of integer slices: divided as TensorFlow's / divides them (into floats), as Horovod
+    ints = hvd.allreduce(tf.IndexedSlices(tf.fill([1, 2], 3 * (me + 1)), tf.constant([me])), op=hvd.Average)
+    c.close("sparse int Average", ints.values, np.stack([np.full(2, 3.0 * (r + 1) / n) for r in range(n)]), "float64")
     c.raises("allgather scalar", lambda: hvd.allgather(tf.constant(1.0)), ValueError, "scalar")
     c.raises("broadcast root", lambda: hvd.broadcast(tf.ones(1), n), ValueError, "root_rank")
     c.raises("alltoall splits", lambda: hvd.alltoall(tf.ones([n + 1]), splits=[n + 2] + [0] * (n - 1)), ValueError, "splits")

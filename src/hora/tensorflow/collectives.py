@@ -42,7 +42,7 @@ from hora.compression import Compressor, NoneCompressor
 from hora.errors import UnsupportedOperationError
 from hora.core.ops import RequestType
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.tensorflow import bridge, kernels
+from hora.tensorflow import basics, bridge, kernels
 from hora.tensorflow.compression import for_tensorflow
 
 Backward = Callable[[list[Any], list[Any], list[Any]], list[Any]]
@@ -185,16 +185,24 @@ def _allreduce(
 def _sparse_allreduce(
     tensor: Any, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet
 ) -> Any:
-    """Reduces a ``tf.IndexedSlices`` by gathering its values and indices (Sum or Average)."""
+    """Reduces a ``tf.IndexedSlices`` by gathering its values and indices, as Horovod: Sum,
+    or Average (the gathered values divided by the set's size: integer values become
+    floating, as TensorFlow's ``/`` makes them), without scale factors."""
     if op not in (AVERAGE, SUM):
         raise NotImplementedError(
             f"hora.tensorflow.allreduce: {OP_NAMES.get(op, op)} is not supported for tf.IndexedSlices "
             "(only Sum and Average); pass sparse_as_dense=True to reduce them as dense tensors"
         )
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(
+            "hora.tensorflow.allreduce: prescale_factor and postscale_factor are not supported for tf.IndexedSlices "
+            "(as in Horovod); pass sparse_as_dense=True to reduce them as dense tensors"
+        )
     values, indices = _allgather([tensor.values, tensor.indices], name, process_set, True)
-    factor = prescale * postscale / (_set_size(process_set) if op == AVERAGE else 1)
-    if factor != 1.0:
-        values = values * tf.constant(factor, dtype=values.dtype)
+    if op == AVERAGE:
+        # In a graph the size is read when the op runs: an elastic job's graph outlives its world.
+        size = _set_size(process_set) if tf.executing_eagerly() else basics.size_op(process_set.process_set_id or 0)
+        values = values / tf.cast(size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 
