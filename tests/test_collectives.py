@@ -278,6 +278,23 @@ def adasum_job() -> list[str]:
     return problems
 
 
+@pytest.mark.unit
+def test_adasum_combines_tiny_gradients_as_horovod():
+    from hora.collectives.adasum import combine
+
+    # Horovod's test_stability: parallel vectors near float32's smallest normal number
+    # average (their squared norms, ~1e-76 in float64, are far above sqrt(DBL_MIN)).
+    a = np.random.default_rng(2).normal(0, np.finfo(np.float32).tiny, 1024)
+    for scale_b in (1.0, 3.0):
+        a32, b32 = a.astype(np.float32), (a * scale_b).astype(np.float32)  # subnormals: a few bits each
+        want = (a32.astype(np.float64) + b32) / 2 if scale_b == 1.0 else 2 * a32.astype(np.float64)
+        assert np.allclose(combine(a32, b32), want, rtol=1e-3, atol=0)
+    # Orthogonal tiny vectors add; a vector of zeros leaves the other as it is.
+    e1, e2 = np.array([1e-30, 0.0]), np.array([0.0, 1e-30])
+    assert np.array_equal(combine(e1, e2), e1 + e2)
+    assert np.array_equal(combine(np.zeros(2), e1), e1)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.timeout(120)
 def test_adasum(size):

@@ -4,7 +4,8 @@ Two gradients ``a`` and ``b`` combine as
 
     a' = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
 
-(a coefficient is 1 when its vector's squared norm is below 1e-8): orthogonal vectors
+(a coefficient is 1 when its vector's squared norm is below the square root of the
+smallest normal double, Horovod's bound, so tiny gradients still combine): orthogonal vectors
 add, parallel ones average. Ranks combine pairwise at distances 1, 2, 4, ... (recursive
 doubling), so the result is the same binary tree of combinations Horovod computes, on
 every rank: ``((r0 + r1) + (r2 + r3))``. Each tensor of a fused buffer combines on its
@@ -16,11 +17,16 @@ which keeps every dot product local and exact; it is meant for CPU jobs of modes
 
 from __future__ import annotations
 
+import math
+import sys
+
 import numpy as np
 
 from hora.collectives.channel import Channel
 
-NORM_EPSILON = 1e-8
+# Horovod's sqrt(DBL_MIN): below it a squared norm is as good as zero. (A larger bound,
+# such as 1e-8, sums gradients whose norm is below 1e-4 instead of combining them.)
+NORM_EPSILON = math.sqrt(sys.float_info.min)
 
 
 def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
