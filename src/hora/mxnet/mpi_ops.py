@@ -20,9 +20,11 @@ Example, on 2 ranks::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 
 from hora.collectives.reduce import AVERAGE
@@ -31,7 +33,38 @@ from hora.core import binding
 from hora.core.api import synchronize
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.errors import CollectiveMismatchError
 from hora.mxnet.tensors import ADAPTER
+
+Collective = TypeVar("Collective", bound=Callable[..., Any])
+
+
+class InvalidArgument(ValueError, MXNetError):  # type: ignore[misc]
+    """A collective's arguments refused on this rank (on every rank of the collective):
+    hora's ``ValueError`` and the ``MXNetError`` Horovod's MXNet ops raise."""
+
+
+class MismatchError(CollectiveMismatchError, MXNetError):  # type: ignore[misc]
+    """A collective the ranks disagree about: hora's ``CollectiveMismatchError`` and the
+    ``MXNetError`` Horovod's MXNet ops raise."""
+
+
+def _mxnet_errors(collective: Collective) -> Collective:
+    """Raises the collective's refusals and disagreements as ``MXNetError`` s too
+    (``InvalidArgument``, ``MismatchError``), so a Horovod program's ``except`` catches them."""
+
+    @functools.wraps(collective)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return collective(*args, **kwargs)
+        except MXNetError:
+            raise
+        except CollectiveMismatchError as exc:
+            raise MismatchError(str(exc)) from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    return run  # type: ignore[return-value]
 
 
 # ----- allreduce -----
@@ -58,6 +91,7 @@ def allreduce_async(
     )
 
 
+@_mxnet_errors
 def allreduce(
     tensor: NDArray,
     average: bool | None = None,
@@ -93,6 +127,7 @@ def allreduce(
     return synchronize(handle)
 
 
+@_mxnet_errors
 def allreduce_(
     tensor: NDArray,
     average: bool | None = None,
@@ -108,6 +143,7 @@ def allreduce_(
     return synchronize(handle)
 
 
+@_mxnet_errors
 def grouped_allreduce(
     tensors: Sequence[NDArray],
     average: bool | None = None,
@@ -128,6 +164,7 @@ def grouped_allreduce(
     return synchronize(handle)  # type: ignore[no-any-return]
 
 
+@_mxnet_errors
 def grouped_allreduce_(
     tensors: Sequence[NDArray],
     average: bool | None = None,
@@ -148,6 +185,7 @@ def grouped_allreduce_(
 # ----- allgather -----
 
 
+@_mxnet_errors
 def allgather(
     tensor: NDArray, name: str | None = None, priority: int = 0, process_set: ProcessSet = global_process_set
 ) -> NDArray:
@@ -156,6 +194,7 @@ def allgather(
     return synchronize(binding.allgather_async(ADAPTER, [tensor], name, process_set, False))
 
 
+@_mxnet_errors
 def grouped_allgather(
     tensors: Sequence[NDArray], name: str | None = None, priority: int = 0, process_set: ProcessSet = global_process_set
 ) -> list[NDArray]:
@@ -168,6 +207,7 @@ def grouped_allgather(
 # ----- broadcast -----
 
 
+@_mxnet_errors
 def broadcast(
     tensor: NDArray,
     root_rank: int,
@@ -182,6 +222,7 @@ def broadcast(
     return synchronize(binding.broadcast_async(ADAPTER, tensor, root_rank, name, process_set, False))
 
 
+@_mxnet_errors
 def broadcast_(
     tensor: NDArray,
     root_rank: int,
@@ -196,6 +237,7 @@ def broadcast_(
 # ----- alltoall -----
 
 
+@_mxnet_errors
 def alltoall(
     tensor: NDArray,
     splits: Sequence[int] | NDArray | None = None,
@@ -219,6 +261,7 @@ def alltoall(
 # ----- reducescatter -----
 
 
+@_mxnet_errors
 def reducescatter(
     tensor: NDArray,
     op: int = AVERAGE,
@@ -238,6 +281,7 @@ def reducescatter(
     return synchronize(handle)
 
 
+@_mxnet_errors
 def grouped_reducescatter(
     tensors: Sequence[NDArray],
     op: int = AVERAGE,
