@@ -178,6 +178,18 @@ def test_stalls_name_missing_ranks():
     assert c.stalls(101) == []
 
 
+def test_a_tensor_only_refused_is_no_stall_and_no_deadline():
+    # A TF1 graph's op refused by rank 1 while building, built by rank 0 and never run:
+    # nobody waits for it, so no stall warning (nor shutdown) and no wake-up for one.
+    now = [100.0]
+    c = Coordinator(2, fusion_threshold=0, clock=lambda: now[0])
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.k", error="ValueError: a scalar", scope=1))
+    now[0] = 200.0
+    assert c.stalls(60) == [] and c.next_deadline() is None
+    c.submit(req(0, "b"))  # a tensor rank 0 waits for is one
+    assert [s.name for s in c.stalls(0)] == ["b"] and c.next_deadline() == 200.0
+
+
 def test_cached_tensors_skip_validation_and_changes_are_caught(monkeypatch):
     from hora.engine import validate
 

@@ -309,6 +309,8 @@ def stale_refusal_job() -> list[str]:
         except ValueError as exc:
             c.that("graph 1 on rank 0", me == 1, str(exc))
     hvd.barrier()
+    time.sleep(3.0)  # past the stall shutdown time: nobody waits for a refused op, so no stall
+    hvd.barrier()
     with tf.Graph().as_default():  # the same key as graph 1's op: a new op, which every rank runs
         if me == 1:
             time.sleep(1.0)  # rank 0's request reaches the coordinator first
@@ -326,4 +328,5 @@ def stale_refusal_job() -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_a_refusal_while_tracing_an_op_nobody_runs_does_not_meet_a_later_graphs_op_of_the_same_name() -> None:
-    expect_no_problems(run_ranks(2, stale_refusal_job, timeout=60, env=TF_ENV))
+    stall = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    expect_no_problems(run_ranks(2, stale_refusal_job, timeout=60, env={**TF_ENV, **stall}))

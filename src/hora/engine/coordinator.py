@@ -56,6 +56,10 @@ class _Pending:
     cached: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> cache id it sent
     riders: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> data it sent along
 
+    def waited_for(self) -> bool:
+        """Whether a rank waits for this tensor: it submitted it, rather than refused it."""
+        return not all(request.error for request in self.requests.values())
+
 
 @dataclasses.dataclass
 class Stall:
@@ -290,8 +294,8 @@ class Coordinator:
         for key, pending in self._pending.items():
             members = self.sets.get(key[0]) or ()
             missing = {r for r in members if r not in pending.requests and r not in self._joined}
-            for rank in pending.requests:
-                if rank in stuck:
+            for rank, request in pending.requests.items():
+                if rank in stuck and not request.error:  # a rank waits for none of its refusals
                     waits.setdefault(rank, []).append((key, missing))
         doomed = set(waits)
         changed = True
@@ -312,12 +316,14 @@ class Coordinator:
             self._stuck.pop(rank, None)
 
     def stalls(self, older_than: float) -> list[Stall]:
-        """Tensors that have waited longer than ``older_than`` seconds for some ranks."""
+        """Tensors that a rank has waited for longer than ``older_than`` seconds, for some
+        others. A tensor only refused so far is none: the refusing ranks wait for nothing
+        (and the others may never run it, as a TF1 graph's op that is built but not run)."""
         now = self._clock()
         stalls = []
         for (set_id, name), pending in self._pending.items():
             waited = now - pending.first_seen
-            if waited >= older_than:
+            if waited >= older_than and pending.waited_for():
                 members = self.sets.get(set_id) or ()
                 missing = [r for r in members if r not in pending.requests and r not in self._joined]
                 stalls.append(Stall(set_id, name, waited, missing))
@@ -329,8 +335,9 @@ class Coordinator:
         return bool(self._pending) or self._examine_at is not None
 
     def next_deadline(self) -> float | None:
-        """The clock time the oldest pending tensor was first seen, or None when none waits."""
-        return min((p.first_seen for p in self._pending.values()), default=None)
+        """The clock time the oldest pending tensor a rank waits for was first seen, or
+        None when none is waited for (see ``stalls``)."""
+        return min((p.first_seen for p in self._pending.values() if p.waited_for()), default=None)
 
     def _join(self, rank: int) -> None:
         self._joined.add(rank)
