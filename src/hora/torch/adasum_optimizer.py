@@ -21,6 +21,7 @@ from hora.core.api import synchronize
 from hora.collectives.reduce import ADASUM
 from hora.compression import Compressor
 from hora.torch.collectives import allreduce_async_
+from hora.torch.dynamo import outside_compile
 from hora.torch.wrapper import (
     _TOO_MANY_PASSES,
     _ZERO_GRAD_MISUSE,
@@ -128,6 +129,7 @@ class _DistributedAdasumOptimizer(WrappedOptimizer):
         compressed, ctx = self._compression.compress(p.data)
         return allreduce_async_(compressed, name=self._parameter_names[p], op=ADASUM), ctx
 
+    @outside_compile
     def synchronize(self) -> None:
         """Nothing to do: the Adasum optimizer combines weight changes in ``step()``."""
 
@@ -139,6 +141,7 @@ class _DistributedAdasumOptimizer(WrappedOptimizer):
         """
         return _RefusedContext()
 
+    @outside_compile
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finishes every parameter's local step and Adasum; returns the closure's loss, if any."""
         loss = closure() if closure is not None else None

@@ -27,6 +27,7 @@ from hora.collectives.reduce import AVERAGE
 from hora.compression import Compressor
 from hora.core.process_sets import ProcessSet
 from hora.torch.collectives import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
+from hora.torch.dynamo import outside_compile
 from hora.torch.wrapper import (
     _TOO_MANY_PASSES,
     _ZERO_GRAD_MISUSE,
@@ -230,6 +231,7 @@ class _DistributedOptimizer(WrappedOptimizer):
 
     # ----- step -----
 
+    @outside_compile
     def synchronize(self) -> None:
         """Waits for every gradient's allreduce and writes the results into ``p.grad``.
 
@@ -291,6 +293,7 @@ class _DistributedOptimizer(WrappedOptimizer):
                 self.synchronize()
         self._synchronized = False
 
+    @outside_compile
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Waits for the gradients' allreduces, then steps the wrapped optimizer.
 

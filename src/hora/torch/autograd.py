@@ -30,6 +30,7 @@ from hora.collectives.reduce import AVERAGE
 from hora.compression import Compression, Compressor
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import collectives as c
+from hora.torch.dynamo import outside_compile
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
@@ -64,6 +65,7 @@ class HorovodAllreduce(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@outside_compile
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -129,6 +131,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
+@outside_compile
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -169,6 +172,7 @@ class HorovodAllgather(torch.autograd.Function):
         return grad.narrow(0, _offsets(rows, ctx.process_set)[0], ctx.dim), None, None
 
 
+@outside_compile
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
@@ -202,6 +206,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
         return (None, None, *[g.narrow(0, o, d) for g, o, d in zip(grads, offsets, ctx.dims)])
 
 
+@outside_compile
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[torch.Tensor]:
@@ -227,6 +232,7 @@ class HorovodBroadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
+@outside_compile
 def broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
@@ -257,6 +263,7 @@ class HorovodAlltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
+@outside_compile
 def alltoall(
     tensor: torch.Tensor,
     splits: c.Splits = None,
@@ -303,6 +310,7 @@ class HorovodReducescatter(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@outside_compile
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -352,6 +360,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
 
 
+@outside_compile
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,

@@ -25,6 +25,7 @@ from hora.core.api import current, synchronize
 from hora.collectives.reduce import AVERAGE, SUM
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import tensors as tt
+from hora.torch.dynamo import outside_compile
 
 Splits = Sequence[int] | torch.Tensor | None
 
@@ -62,6 +63,7 @@ class TorchAdapter:
 _ADAPTER = TorchAdapter()
 
 
+@outside_compile
 def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -95,6 +97,7 @@ def allreduce_async(
     )
 
 
+@outside_compile
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -110,6 +113,7 @@ def allreduce_async_(
     )
 
 
+@outside_compile
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -124,6 +128,7 @@ def allreduce_(
     return synchronize(handle)  # type: ignore[no-any-return]
 
 
+@outside_compile
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -139,6 +144,7 @@ def grouped_allreduce_async(
     )
 
 
+@outside_compile
 def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -154,6 +160,7 @@ def grouped_allreduce_async_(
     )
 
 
+@outside_compile
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -168,6 +175,7 @@ def grouped_allreduce_(
     return synchronize(handle)  # type: ignore[no-any-return]
 
 
+@outside_compile
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str | None, op: int | None, process_set: ProcessSet = global_process_set
 ) -> Callable[[], torch.Tensor]:
@@ -209,6 +217,7 @@ def sparse_allreduce_async(
 # ----- allgather -----
 
 
+@outside_compile
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
     """Starts concatenating every rank's ``tensor`` along dimension 0 (its size may differ by rank).
 
@@ -218,6 +227,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return binding.allgather_async(_ADAPTER, [tensor], name, process_set, False)
 
 
+@outside_compile
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
@@ -228,6 +238,7 @@ def grouped_allgather_async(
 # ----- broadcast -----
 
 
+@outside_compile
 def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
@@ -238,6 +249,7 @@ def broadcast_async(
     return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, False)
 
 
+@outside_compile
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
@@ -245,6 +257,7 @@ def broadcast_async_(
     return binding.broadcast_async(_ADAPTER, tensor, root_rank, name, process_set, True)
 
 
+@outside_compile
 def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
@@ -255,6 +268,7 @@ def broadcast_(
 # ----- alltoall -----
 
 
+@outside_compile
 def alltoall_async(
     tensor: torch.Tensor,
     splits: Splits = None,
@@ -277,6 +291,7 @@ def alltoall_async(
 # ----- reducescatter -----
 
 
+@outside_compile
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -295,6 +310,7 @@ def reducescatter_async(
     )
 
 
+@outside_compile
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,

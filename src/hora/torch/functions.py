@@ -8,14 +8,20 @@ from typing import Any
 
 import torch
 
-from hora.core.api import allgather_object, broadcast_object, synchronize
+from hora.core import api
+from hora.core.api import synchronize
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.collectives import broadcast_async_
+from hora.torch.dynamo import outside_compile
 from hora.torch.wrapper import WrappedOptimizer
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
+allgather_object = outside_compile(api.allgather_object)
+broadcast_object = outside_compile(api.broadcast_object)
 
+
+@outside_compile
 def broadcast_parameters(
     params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor | tuple[str, torch.Tensor]],
     root_rank: int,
@@ -88,6 +94,7 @@ class _Layout:
     entries: list[_Entry]
 
 
+@outside_compile
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer,
     root_rank: int,

@@ -4,15 +4,10 @@
 here only.
 """
 
+from hora.core import api as _api
 from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.core.api import (
-    barrier,
-    is_homogeneous,
-    join,
-    poll,
-    synchronize,
-)
+from hora.core.api import is_homogeneous
 from hora.torch.autograd import (
     HorovodAllgather,
     HorovodAllreduce,
@@ -49,6 +44,13 @@ from hora.torch.collectives import (
     sparse_allreduce_async,
 )
 from hora.torch.compression import Compression
+from hora.torch.dynamo import outside_compile
+
+# Inside torch.compile these run as they are, as the collectives do (hora.torch.dynamo).
+barrier = outside_compile(_api.barrier)
+join = outside_compile(_api.join)
+poll = outside_compile(_api.poll)
+synchronize = outside_compile(_api.synchronize)
 
 __all__ = [
     "Compression",

@@ -58,6 +58,7 @@ from hora.core.api import allgather_object, broadcast_object, current, rank, siz
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.allreduce_optimizer import _DistributedOptimizer
 from hora.torch.collectives import allgather_async, allreduce_async_, reducescatter_async
+from hora.torch.dynamo import outside_compile
 from hora.torch.shard_layout import Bucket, Slot, buckets, flat, owners_by_size, partition, sliced, whole
 from hora.torch.wrapper import _TOO_MANY_PASSES, _ZERO_GRAD_MISUSE, WrappedOptimizer, _check_gradient
 
@@ -222,6 +223,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
 
     # ----- step -----
 
+    @outside_compile
     def synchronize(self) -> None:
         """Waits for every gradient's allreduce; each piece's ``.grad`` is then its view of ``p.grad``."""
         super().synchronize()
@@ -239,6 +241,7 @@ class _ShardedOptimizer(_DistributedOptimizer):
             else:
                 slot.piece.grad = None
 
+    @outside_compile
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Waits for the gradients, steps this rank's shard, and gathers every rank's updated slices.
 
@@ -632,6 +635,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
         for slot in bucket.slots:
             self._handles[slot.param] = (handle, ctx)
 
+    @outside_compile
     def synchronize(self) -> None:
         """Waits for every bucket's reducescatter; each piece's ``.grad`` is then this rank's
         slice of the averaged gradient, and ``p.grad`` is None.
