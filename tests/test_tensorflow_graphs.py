@@ -330,3 +330,27 @@ def stale_refusal_job() -> list[str]:
 def test_a_refusal_while_tracing_an_op_nobody_runs_does_not_meet_a_later_graphs_op_of_the_same_name() -> None:
     stall = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"}
     expect_no_problems(run_ranks(2, stale_refusal_job, timeout=60, env={**TF_ENV, **stall}))
+
+
+def cond_branch_job() -> list[str]:
+    tf, hvd = start()
+    c = Checks()
+    me, n = hvd.rank(), hvd.size()
+    if me == 0:
+        with tf.Graph().as_default():  # another graph: advances TensorFlow's process-wide uid on rank 0 only
+            for _ in range(3):
+                tf.cond(tf.constant(True), lambda: tf.constant(1.0), lambda: tf.constant(2.0))
+    with tf.Graph().as_default():
+        x = tf.constant([1.0 + me])
+        y = tf.cond(tf.constant(True), lambda: hvd.allreduce(x, op=hvd.Sum), lambda: x)
+        with tf.compat.v1.Session() as session:
+            c.close("allreduce in a tf.cond branch", session.run(y), [float(sum(range(1, n + 1)))])
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.timeout(120)
+def test_an_unnamed_collective_in_a_tf1_cond_branch_is_named_alike_on_every_rank() -> None:
+    # The branch's graph is named cond_true_<uid>, a process-wide counter; its collective's
+    # name came from it, so rank 0 (which had built more) waited for another name.
+    expect_no_problems(run_ranks(2, cond_branch_job, timeout=100, env=TF_ENV))

@@ -29,7 +29,9 @@ ranks. So in a graph an unnamed collective's key is drawn when the op is *built*
 
 * The key is a name unique in the *root* graph: the outermost graph of the nest of
   function graphs being built (a ``tf.function``'s own graph, also for the ``tf.cond``
-  branches, loop bodies and nested ``tf.function`` s traced inside it), or a TF1 graph.
+  branches, loop bodies and nested ``tf.function`` s traced inside it), or a TF1 graph
+  (also for the ``tf.cond`` and ``tf.while_loop`` branches built in it, whose own graph
+  names carry a process-wide counter that ranks need not have advanced alike).
   ``Graph.unique_name`` draws it (``<name scope>/Hora<Op>``, then ``_1``, ``_2``, ...),
   so it depends only on the ops built before it in that graph, which are the same on
   every rank: every rank traces the same program. A retrace builds a new root graph
@@ -202,11 +204,25 @@ def scoped_name(name: str | None, ignore_name_scope: bool) -> str | None:
     return f"{scope}/{name}" if scope else name
 
 
+def _control_flow_graphs() -> tuple[type, ...]:
+    """The classes of the function graphs ``tf.cond`` and ``tf.while_loop`` build (TF 2's control flow)."""
+    try:
+        from tensorflow.python.ops import control_flow_v2_func_graphs as graphs
+    except ImportError:  # pragma: no cover - every TensorFlow 2 has it
+        return ()
+    return (graphs.CondBranchFuncGraph, graphs.WhileBodyFuncGraph, graphs.WhileCondFuncGraph)
+
+
 def _root(graph: Any) -> Any:
-    """The outermost graph of the nest of function graphs that ``graph`` belongs to."""
+    """The root graph of ``graph`` for names (see the module's "Names"): the outermost of
+    its nest of function graphs, and past that the TF1 graph that holds a ``tf.cond`` or
+    ``tf.while_loop`` branch (built once with it; a branch graph's own name carries a
+    process-wide counter, which ranks may have advanced differently), but not the TF1
+    graph around a ``tf.function``'s graph (which may retrace on one rank alone)."""
+    branches = _control_flow_graphs()
     while graph.building_function:
         outer = getattr(graph, "outer_graph", None)
-        if outer is None or not outer.building_function:
+        if outer is None or not (outer.building_function or isinstance(graph, branches)):
             break
         graph = outer
     return graph
