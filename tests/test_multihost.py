@@ -368,7 +368,7 @@ def test_hora_run_on_remote_hosts(cluster: Cluster, tmp_path: Path) -> None:
         import os, hora
         def where():
             return os.environ["HORA_HOSTNAME"], int(os.environ["HORA_RANK"])
-        print(hora.run(where, np=2, hosts="{cluster.hosts[0].address}:1,{cluster.hosts[2].address}:1"))
+        print(hora.run(where, num_proc=2, hosts="{cluster.hosts[0].address}:1,{cluster.hosts[2].address}:1"))
         """
     )
     result = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=90, env=horarun_env(cluster),

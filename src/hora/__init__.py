@@ -2,7 +2,7 @@
 
 Import a framework binding (``hora.torch``, ``hora.tensorflow``, ``hora.numpy``, ...)
 the way you imported Horovod's, and launch with ``horarun``, or call a function on
-every rank with ``hora.run(func, np=4)``.
+every rank with ``hora.run(func, num_proc=4)``.
 
 ``hora.run`` is loaded on first use: every rank imports this package, and none of
 them needs the launcher.

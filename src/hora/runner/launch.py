@@ -45,11 +45,11 @@ def prepare(settings: LaunchSettings) -> list[SlotInfo]:
         ValueError: a setting is invalid, the hosts are malformed or have too few
             slots, or the output directory cannot be created.
     """
-    _check(settings)
+    check(settings)
     return hosts.plan(settings.num_proc, settings.hosts, settings.hostfile)
 
 
-def _check(settings: LaunchSettings) -> None:
+def check(settings: LaunchSettings) -> None:
     """Checks what does not depend on the hosts and creates the output directory.
 
     Raises:
@@ -80,7 +80,7 @@ def _launch_elastic(settings: LaunchSettings, elastic: ElasticSettings, is_local
     """
     from hora.runner.elastic.driver import ElasticDriver
 
-    _check(settings)
+    check(settings)
     driver = ElasticDriver(settings, elastic, Sink(sys.stdout), Sink(sys.stderr), os.environ, is_local=is_local)
     return driver.run(handle_signals=True).exit_code
 

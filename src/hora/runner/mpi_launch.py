@@ -19,8 +19,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 from hora.runner.hosts import SlotInfo
 from hora.runner.settings import FORWARDED, FORWARDED_PREFIXES, LaunchSettings
@@ -130,7 +132,9 @@ def launch_mpi(settings: LaunchSettings, slots: Sequence[SlotInfo], mpi_args: st
     def forward(signum: int, frame: FrameType | None) -> None:
         process.send_signal(signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # hora.run may be called from any thread
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         return process.wait()
     finally:
