@@ -25,6 +25,7 @@ import torch
 from hora.core.api import broadcast_object, current, size, synchronize
 from hora.collectives.reduce import AVERAGE
 from hora.compression import Compressor
+from hora.errors import HoraInternalError
 from hora.core.process_sets import ProcessSet
 from hora.torch.collectives import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async
 from hora.torch.dynamo import outside_compile
@@ -41,9 +42,23 @@ Unit = tuple[torch.Tensor, ...]
 """The parameters whose gradients travel in one collective: one parameter, or one group."""
 
 
-def _wait(handle: Handle) -> Any:
-    """The result of a launched collective: ``synchronize`` for a handle, a call for a callable one."""
-    return handle() if callable(handle) else synchronize(handle)
+def drain(handles: Iterable[Handle]) -> None:
+    """Waits for the collectives an optimizer abandons (a reset, a state load), dropping their errors.
+
+    They run on every rank, so each is waited for, which frees its name. Horovod drops
+    such handles without waiting, so it raises nothing here: neither does hora. Their
+    errors go with them (a rank lost mid-step, before an elastic ``state.restore()``);
+    a job that is broken fails at its next collective.
+
+    Args:
+        handles: handles of ``synchronize``, or callables that wait (a sparse or
+            Adasum gradient's).
+    """
+    for handle in handles:
+        try:
+            handle() if callable(handle) else synchronize(handle)
+        except HoraInternalError:
+            pass
 
 
 class _DistributedOptimizer(WrappedOptimizer):
@@ -128,8 +143,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         # Allreduces already started run on every rank: let them finish, so their names are free.
         launched = [handle for handle, _ in self._handles.values() if handle is not None]
         self._handles.clear()
-        for handle in launched:
-            _wait(handle)
+        drain(launched)
         self._synchronized = False
         self._should_synchronize = True
         self._reset_delays()

@@ -56,7 +56,7 @@ from hora.collectives.reduce import ADASUM, AVERAGE, MAX, SUM
 from hora.compression import Compressor
 from hora.core.api import allgather_object, broadcast_object, current, rank, size, synchronize
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.torch.allreduce_optimizer import _DistributedOptimizer
+from hora.torch.allreduce_optimizer import _DistributedOptimizer, drain
 from hora.torch.collectives import allgather_async, allreduce_async_, reducescatter_async
 from hora.torch.dynamo import outside_compile
 from hora.torch.shard_layout import Bucket, Slot, buckets, flat, owners_by_size, partition, sliced, whole
@@ -675,8 +675,7 @@ class _Stage2Optimizer(_ShardedOptimizer):
         launched = [handle for handle, _, _ in self._launched.values()]
         self._launched.clear()
         self._handles.clear()
-        for handle in launched:
-            synchronize(handle)
+        drain(launched)
         self._synchronized = False
         self._should_synchronize = True
         self._reset_delays()
