@@ -188,6 +188,17 @@ def keras_job(legacy_keras: bool) -> list[str]:
     model.fit(x_mine, y_mine, batch_size=BATCH, verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     c.that("XLA turned off", model.jit_compile is False)
     c.raises("wrapped twice", lambda: hvd.DistributedOptimizer(model.optimizer), ValueError, "already")
+
+    # A model without an Input is built by its first step (Keras 2 raises for its variables
+    # before): the callback broadcasts it after that step, as Horovod's does.
+    init = keras.initializers.GlorotUniform
+    unbuilt = keras.Sequential([keras.layers.Dense(8, kernel_initializer=init(seed=me)),
+                                keras.layers.Dense(1, kernel_initializer=init(seed=me + 100))])  # fmt: skip
+    unbuilt.compile(optimizer=hvd.DistributedOptimizer(sgd()), loss="mse")
+    unbuilt.fit(x_mine, y_mine, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # fmt: skip
+    everyone = hvd_tf().allgather_object([w.tolist() for w in unbuilt.get_weights()])
+    c.that("a model built by its first step: ranks equal", all(e == everyone[0] for e in everyone))
     hvd.shutdown()
     return c.problems
 

@@ -33,6 +33,14 @@ def _optimizer_variables(optimizer: Any) -> list[Any]:
     return list(variables() if callable(variables) else variables)  # legacy optimizers: a method
 
 
+def _model_variables(model: Any) -> list[Any]:
+    """A model's variables; none while it is not built (Keras 2 raises for those)."""
+    try:
+        return list(model.variables)
+    except ValueError:  # tf_keras: "Weights for model ... have not yet been created"
+        return []
+
+
 def turn_off_xla(model: Any) -> None:
     """Rebuilds a model's compiled functions without XLA, which cannot run hora's collectives."""
     if getattr(model, "jit_compile", False) is not True or getattr(model, "run_eagerly", False):
@@ -52,8 +60,9 @@ class BroadcastGlobalVariablesCallback(_Callback):  # type: ignore[misc]
     """Makes every rank start from ``root_rank``'s model and optimizer state.
 
     Broadcasts the model's variables when training begins (and the optimizer's, if it
-    has any yet); an optimizer that creates its variables in the first step (Keras 3)
-    has them broadcast after that step. It also turns XLA off for ``model.fit`` (with a
+    has any yet); a model built by its first step, and an optimizer that creates its
+    variables in the first step (Keras 3), have them broadcast after that step, when
+    Horovod broadcasts everything. It also turns XLA off for ``model.fit`` (with a
     warning), since hora's collectives cannot run under XLA.
 
     Args:
@@ -77,8 +86,9 @@ class BroadcastGlobalVariablesCallback(_Callback):  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         turn_off_xla(self.model)
-        if self.model.variables:
-            self._broadcast(self.model.variables)
+        variables = _model_variables(self.model)  # a model built by its first step has none yet
+        if variables:
+            self._broadcast(variables)
             self._model_done = True
             optimizer_variables = _optimizer_variables(getattr(self.model, "optimizer", None))
             if optimizer_variables:
