@@ -233,6 +233,51 @@ def test_elastic_survives_a_killed_actor(ray_cluster: Any) -> None:
     assert sizes == [2, 2, 2, 2, 1, 1, 1, 1]  # continued from the commit of batch 4, on one rank
 
 
+@pytest.mark.timeout(180)
+def test_horovods_elastic_ray_executor_survives_a_killed_actor(ray_cluster: Any) -> None:
+    from hora.ray import ElasticRayExecutor
+
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated"):
+        settings = ElasticRayExecutor.create_settings(min_np=1, max_num_proc=2, elastic_timeout=60, verbose=2)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2)  # one slot per node, as above
+    executor.start()
+    try:
+        results = executor.run(lambda: elastic_training(8))  # Horovod's run: a function of no arguments
+    finally:
+        executor.shutdown()
+    assert [(batch, size) for batch, size, _ in results] == [(8, 1)]
+    assert results[0][2] == [2, 2, 2, 2, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="use_gpu must be True"):
+        ElasticRayExecutor(settings, gpus_per_slot=1)
+
+
+def test_test_discovery_hides_and_shows_nodes_within_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from hora.ray.elastic import RayHostDiscovery, TestDiscovery
+
+    nodes = {"a": 2, "b": 2, "c": 2, "d": 2}
+    monkeypatch.setattr(RayHostDiscovery, "find_available_hosts_and_slots", lambda self: dict(nodes))
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    discovery = TestDiscovery(min_hosts=2, max_hosts=3, change_frequency_s=5, verbose=False)
+    discovery._random = random.Random(7)
+    assert discovery.find_available_hosts_and_slots() == nodes  # no change before the first period
+    clock[0] += 4
+    assert discovery.find_available_hosts_and_slots() == nodes
+    counts = []
+    for _ in range(40):
+        clock[0] += 5
+        shown = discovery.find_available_hosts_and_slots()
+        assert all(nodes[host] == slots for host, slots in shown.items())
+        counts.append(len(shown))
+    assert counts[0] == 3  # 4 shown is above max_hosts: one is hidden at the first change
+    assert set(counts) == {2, 3}  # then it moves within [min_hosts, max_hosts]
+    del nodes["a"], nodes["b"]  # nodes that leave the cluster are no longer counted as hidden
+    clock[0] += 5
+    assert len(discovery.find_available_hosts_and_slots()) >= 1
+
+
 def train_loop(config: dict[str, Any]) -> None:
     import tempfile
 

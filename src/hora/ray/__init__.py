@@ -15,7 +15,8 @@ executor's process through the environment the executor gave the actor::
     executor.shutdown()
 
 ``HoraTrainer`` and ``HoraConfig`` (Ray Train) are imported on first use, so that
-``import hora.ray`` does not import Ray Train.
+``import hora.ray`` does not import Ray Train; so are ``ElasticRayExecutor`` (Horovod's
+older elastic executor) and ``RayHostDiscovery``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hora.ray.worker import BaseHoraWorker
 
 if TYPE_CHECKING:
     from hora.ray.elastic import RayHostDiscovery
+    from hora.ray.elastic_executor import ElasticRayExecutor
     from hora.ray.train import HoraConfig, HoraTrainer
 
 BaseHorovodWorker = BaseHoraWorker
@@ -37,6 +39,7 @@ BaseHorovodWorker = BaseHoraWorker
 __all__ = [
     "BaseHoraWorker",
     "BaseHorovodWorker",
+    "ElasticRayExecutor",
     "HoraConfig",
     "HoraTrainer",
     "RayExecutor",
@@ -46,7 +49,12 @@ __all__ = [
     "create_settings",
 ]
 
-_LAZY = {"HoraConfig": "hora.ray.train", "HoraTrainer": "hora.ray.train", "RayHostDiscovery": "hora.ray.elastic"}
+_LAZY = {
+    "ElasticRayExecutor": "hora.ray.elastic_executor",
+    "HoraConfig": "hora.ray.train",
+    "HoraTrainer": "hora.ray.train",
+    "RayHostDiscovery": "hora.ray.elastic",
+}
 
 
 def __getattr__(name: str) -> Any:

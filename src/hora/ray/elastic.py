@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -69,14 +70,14 @@ class RayHostDiscovery:
 
     Args:
         use_gpu: count a node's GPUs too.
-        cpus_per_worker: CPUs of one slot.
-        gpus_per_worker: GPUs of one slot with ``use_gpu``.
+        cpus_per_slot: CPUs of one slot.
+        gpus_per_slot: GPUs of one slot with ``use_gpu``.
     """
 
-    def __init__(self, use_gpu: bool = False, cpus_per_worker: float = 1, gpus_per_worker: float = 1) -> None:
+    def __init__(self, use_gpu: bool = False, cpus_per_slot: float = 1, gpus_per_slot: float = 1) -> None:
         self.use_gpu = use_gpu
-        self.cpus_per_worker = cpus_per_worker
-        self.gpus_per_worker = gpus_per_worker
+        self.cpus_per_slot = cpus_per_slot
+        self.gpus_per_slot = gpus_per_slot
         self.node_ids: dict[str, str] = {}  # label -> full node id, of every node seen
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
@@ -86,14 +87,110 @@ class RayHostDiscovery:
             if not node.get("Alive"):
                 continue
             resources = node.get("Resources", {})
-            slots = resources.get("CPU", 0) // self.cpus_per_worker
+            slots = resources.get("CPU", 0) // self.cpus_per_slot
             if self.use_gpu:
-                slots = min(slots, resources.get("GPU", 0) // self.gpus_per_worker)
+                slots = min(slots, resources.get("GPU", 0) // self.gpus_per_slot)
             if slots >= 1:
                 label = node_label(node["NodeID"])
                 self.node_ids[label] = node["NodeID"]
                 found[label] = int(math.floor(slots))
         return found
+
+
+class TestDiscovery(RayHostDiscovery):
+    """Horovod's ``TestDiscovery``: the Ray cluster's nodes, some hidden, changing over time.
+
+    For trying elastic jobs on a fixed cluster (Horovod's examples/ray/basic_ray_elastic.py):
+    every ``change_frequency_s`` seconds it hides one more node (at most down to
+    ``min_hosts`` visible) or shows a hidden one again (at most ``max_hosts``), at random
+    in between. A hidden node's workers are removed from the job as if it had left.
+
+    Args:
+        min_hosts: the fewest nodes shown.
+        max_hosts: the most nodes shown.
+        change_frequency_s: seconds between two changes.
+        use_gpu: as ``RayHostDiscovery``.
+        cpus_per_slot: as ``RayHostDiscovery``.
+        gpus_per_slot: as ``RayHostDiscovery``.
+        verbose: print the nodes found and those shown at every look.
+        _graceful: False stops a node for real (Ray's autoscaler ``kill_node``, on a
+            cluster started by Ray's cluster launcher) instead of hiding one.
+    """
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    def __init__(
+        self,
+        min_hosts: int,
+        max_hosts: int,
+        change_frequency_s: float,
+        use_gpu: bool = False,
+        cpus_per_slot: float = 1,
+        gpus_per_slot: float = 1,
+        verbose: bool = True,
+        _graceful: bool = True,
+    ) -> None:
+        super().__init__(use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, gpus_per_slot=gpus_per_slot)
+        self._min_hosts = min_hosts
+        self._max_hosts = max_hosts
+        self._change_frequency_s = change_frequency_s
+        self._graceful = _graceful
+        self._last_reset_t: float | None = None
+        self.verbose = verbose
+        self._removed_hosts: set[str] = set()
+        self._random = random.Random()
+
+    def add_host(self, hosts: Mapping[str, int]) -> None:
+        """Shows one hidden node of ``hosts`` again, if any."""
+        hidden = sorted(self._removed_hosts & hosts.keys())
+        if hidden:
+            self._removed_hosts.remove(self._random.choice(hidden))
+        else:
+            print("No hosts to add.")
+
+    def remove_host(self, hosts: Mapping[str, int]) -> None:
+        """Hides one shown node of ``hosts`` (or, not graceful, has Ray stop a node)."""
+        shown = sorted(host for host in hosts if host not in self._removed_hosts)
+        if not shown:
+            return
+        if self._graceful:
+            self._removed_hosts.add(self._random.choice(shown))
+            return
+        import os
+
+        from ray.autoscaler._private.commands import kill_node
+
+        killed = kill_node(os.path.expanduser("~/ray_bootstrap_config.yaml"), True, False, None)
+        if killed is not None:
+            self._removed_hosts.add(killed)
+
+    def change_hosts(self, hosts: Mapping[str, int]) -> None:
+        """Makes one change: a node shown or hidden, within ``[min_hosts, max_hosts]``."""
+        self._removed_hosts &= hosts.keys()  # a node gone from the cluster is not hidden any more
+        shown = len(hosts) - len(self._removed_hosts)
+        if shown <= self._min_hosts:
+            self.add_host(hosts)
+        elif shown >= self._max_hosts:
+            self.remove_host(hosts)
+        elif self._random.random() < 0.5:
+            self.add_host(hosts)
+        else:
+            self.remove_host(hosts)
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        """The shown nodes' slots, after a change if one is due."""
+        now = time.time()
+        if self._last_reset_t is None:
+            self._last_reset_t = now
+        hosts = super().find_available_hosts_and_slots()
+        if now - self._last_reset_t >= self._change_frequency_s:
+            self.change_hosts(hosts)
+            self._last_reset_t = now
+        remaining = {host: slots for host, slots in hosts.items() if host not in self._removed_hosts}
+        if self.verbose:
+            print(f"Total hosts: {len(hosts)}")
+            print(f"Remaining hosts: {len(remaining)} -- {remaining}")
+        return remaining
 
 
 @dataclasses.dataclass

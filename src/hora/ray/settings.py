@@ -98,3 +98,27 @@ def create_settings(
     )
     settings.validate()
     return settings
+
+
+@dataclasses.dataclass
+class ElasticRaySettings(RaySettings):
+    """What ``ElasticRayExecutor.create_settings`` makes (Horovod's ``ElasticSettings``).
+
+    Attributes:
+        min_num_proc: the fewest ranks the job runs with.
+        max_num_proc: the most ranks; None: every slot discovered.
+        reset_limit: the most resets before the job stops; None: no limit.
+        elastic_timeout: seconds to wait for ``min_num_proc`` slots, and for every rank
+            to reset once one did.
+        cooldown_range: ``(MIN, MAX)`` seconds a failed host stays blacklisted; None:
+            for good.
+        num_proc: the ranks to start with (Horovod sets ``min_num_proc``; the job
+            then takes every slot up to ``max_num_proc``).
+    """
+
+    min_num_proc: int = 1
+    max_num_proc: int | None = None
+    reset_limit: int | None = None
+    elastic_timeout: int = 600
+    cooldown_range: tuple[int, int] | None = None
+    num_proc: int = 1
