@@ -112,6 +112,7 @@ def test_horarun_mpi_starts_the_job_with_mpirun(system: None, tmp_path: Path) ->
         "hvd.init()\n"
         "total = hvd.allreduce(np.ones(3) * (hvd.rank() + 1), op=hvd.Sum)\n"
         "print(hvd.rank(), hvd.size(), total.tolist(), current().engine.stats().algorithm)\n"
+        "print('flags', hvd.mpi_enabled(), hvd.gloo_enabled(), hvd.mpi_built(), hvd.mpi_threads_supported())\n"
     )
     env = clean_env(**OPENMPI_ENV)
     del env["PYTHONUNBUFFERED"]  # mpirun tags each chunk a rank writes: let Python write whole lines
@@ -120,7 +121,9 @@ def test_horarun_mpi_starts_the_job_with_mpirun(system: None, tmp_path: Path) ->
     lines = sorted(line for line in result.stdout.splitlines() if "<stdout>:" in line)
     assert lines == [
         "[1,0]<stdout>:0 2 [3.0, 3.0, 3.0] MpiCollectives",
+        "[1,0]<stdout>:flags True False True True",  # mpi4py initialises MPI for any thread
         "[1,1]<stdout>:1 2 [3.0, 3.0, 3.0] MpiCollectives",
+        "[1,1]<stdout>:flags True False True True",
     ], result.stdout
     # The secret reaches the ranks by name: never on mpirun's command line.
     command = next(line for line in result.stderr.splitlines() if line.startswith("horarun: "))

@@ -151,7 +151,7 @@ def test_use_mpi_failure_shows_the_traceback() -> None:
     with pytest.raises(RuntimeError) as info:
         hora.run(fails_on_mpi_rank_one, args=("boom under mpirun",), num_proc=2, use_mpi=True)
     message = str(info.value)
-    assert message.startswith("hora.run: fails_on_mpi_rank_one failed: mpirun exited with code ")
+    assert message.startswith("hora.run: fails_on_mpi_rank_one failed: mpirun failed with exit code ")
     assert "traceback of rank 1:" in message and "ValueError: boom under mpirun" in message
 
 

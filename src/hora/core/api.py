@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib.util
 import logging
 import os
 import sys
@@ -289,28 +290,51 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    """False: hora does not run on MPI's threads."""
-    return False
+    """True when MPI carries this job's data and was initialised for any thread's calls.
+
+    Then other MPI code (mpi4py) may run beside hora's collectives.
+
+    Raises:
+        ValueError: MPI does not carry this job's data (Horovod's error when its MPI
+            is not enabled).
+    """
+    if not mpi_enabled():
+        raise ValueError("hora's MPI is not enabled: it is used when the job runs with horarun --mpi "
+                         "(HORA_TRANSPORT=mpi)")  # fmt: skip
+    from mpi4py import MPI  # initialised already: the transport runs on it
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 
 
 def mpi_enabled() -> bool:
-    """False: collectives run on hora's own transport."""
-    return False
+    """True when MPI carries this job's data (``horarun --mpi``, ``HORA_TRANSPORT=mpi``).
+
+    False before ``init()``, and for a job on hora's own transport.
+    """
+    return is_initialized() and current().config.transport == "mpi"
 
 
 def mpi_built(verbose: bool = False) -> bool:
-    """False: hora has no MPI build."""
-    return False
+    """True when hora can carry data over MPI on this machine: mpi4py is installed.
+
+    Horovod answers whether it was compiled with MPI; hora needs no build, only mpi4py
+    (looked up, not imported: importing it starts MPI).
+    """
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
-    """False: hora's transport is its own, not Gloo."""
-    return False
+    """True when this job runs on hora's own transport, the part Horovod's Gloo plays.
+
+    It is what ``use_gloo``/``horarun --gloo`` (and no flag) run on. False before
+    ``init()``, and for a job whose data MPI carries.
+    """
+    return is_initialized() and current().config.transport != "mpi"
 
 
 def gloo_built(verbose: bool = False) -> bool:
-    """False: hora's transport is its own, not Gloo."""
-    return False
+    """True: hora's own transport, its counterpart of Horovod's Gloo, is always there."""
+    return True
 
 
 def nccl_built(verbose: bool = False) -> int:

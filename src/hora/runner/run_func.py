@@ -196,7 +196,7 @@ def run(
         slots_ = prepare(settings)
         if settings.mpi:
             code = launch_mpi(settings, slots_, settings.mpi_args)
-            return _collect_by_code(code, len(slots_), directory, name, f"mpirun exited with code {code}")
+            return _collect_by_code(code, len(slots_), directory, name, f"mpirun failed with exit code {code}")
         job = Job(settings, slots_, Sink(sys.stdout), Sink(sys.stderr), os.environ)
         result = job.run(timeout=timeout)
         return _collect(result, directory, name, timeout)
