@@ -114,6 +114,25 @@ def test_config_file_sections_and_the_command_line_wins(tmp_path: Path) -> None:
     assert s.start_timeout == 60.0
 
 
+def test_horovods_negations_override_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "hora.yaml"
+    path.write_text(
+        "autotune: {enabled: true}\ntimeline: {filename: tl.json, mark_cycles: true}\n"
+        "stall_check: {enabled: false}\nlibrary_options: {mpi_threads_disable: true}\n"
+        "logging: {hide_timestamp: true}\n"
+    )
+    flags = ["--no-autotune", "--no-timeline-mark-cycles", "--stall-check", "--no-mpi-threads-disable"]
+    for timestamp in ("--log-with-timestamp", "--no-log-hide-timestamp"):
+        env = settings("-np", "2", "--config-file", str(path), *flags, timestamp).tuning.env()
+        assert {name: env[name] for name in ("HORA_AUTOTUNE", "HORA_TIMELINE_MARK_CYCLES", "HORA_STALL_CHECK_DISABLE",
+                                             "HORA_MPI_THREADS_DISABLE", "HORA_LOG_HIDE_TIME")} == {
+            "HORA_AUTOTUNE": "0", "HORA_TIMELINE_MARK_CYCLES": "0", "HORA_STALL_CHECK_DISABLE": "0",
+            "HORA_MPI_THREADS_DISABLE": "0", "HORA_LOG_HIDE_TIME": "0",
+        }  # fmt: skip
+    with pytest.raises(SystemExit):  # a flag and its negation together: argparse's one-line error
+        parse_settings(["-np", "2", "--autotune", "--no-autotune", "true"])
+
+
 @pytest.mark.parametrize(
     "content, fragment",
     [

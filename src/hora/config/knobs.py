@@ -325,7 +325,8 @@ KNOBS: tuple[Knob, ...] = (
          "response, and no data phase runs (docs/architecture.md, riders; 0 turns it off)", (), "ride_bytes"),
     Knob("HORA_STALL_CHECK_DISABLE", Boolean(), False, "runtime", "turn the stall inspector off",
          ("HOROVOD_STALL_CHECK_DISABLE",), "stall_check_disable",
-         options=(Option(("--no-stall-check",), "turn the stall inspector off"),),
+         options=(Option(("--no-stall-check",), "turn the stall inspector off"),
+                  Option(("--stall-check",), "keep the stall inspector on", const=False)),
          yaml="stall_check.enabled", yaml_invert=True),
     Knob("HORA_STALL_CHECK_TIME_SECONDS", Number(strict=True), 60.0, "runtime",
          "seconds before rank 0 warns about tensors some ranks have not submitted, and before any rank warns "
@@ -349,7 +350,8 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--log-level",), "one of " + ", ".join(LOG_LEVELS), "LEVEL"),), yaml="logging.level"),
     Knob("HORA_LOG_HIDE_TIME", Boolean(), False, "runtime", "leave the time out of hora's log lines",
          ("HOROVOD_LOG_HIDE_TIME",), "log_hide_time",
-         options=(Option(("--log-without-timestamp", "--log-hide-timestamp"), "leave the time out of log lines"),),
+         options=(Option(("--log-without-timestamp", "--log-hide-timestamp"), "leave the time out of log lines"),
+                  Option(("--log-with-timestamp", "--no-log-hide-timestamp"), "put the time in log lines", const=False)),
          yaml="logging.hide_timestamp"),
     Knob("HORA_DYNAMIC_PROCESS_SETS", Boolean(), False, "runtime",
          "allow `add_process_set`/`remove_process_set` after `init()`", ("HOROVOD_DYNAMIC_PROCESS_SETS",),
@@ -375,7 +377,8 @@ KNOBS: tuple[Knob, ...] = (
          "scores samples of training steps by bytes allreduced per second, Bayesian optimisation picks the next "
          "point, every rank switches at the same collective; the ones set by hand stay as set): docs/autotune.md",
          ("HOROVOD_AUTOTUNE",), "autotune",
-         options=(Option(("--autotune",), "tune fusion, cycle time and staging size while training"),),
+         options=(Option(("--autotune",), "tune fusion, cycle time and staging size while training"),
+                  Option(("--no-autotune",), "do not tune", const=False)),
          yaml="autotune.enabled"),
     Knob("HORA_AUTOTUNE_LOG", Text(), None, "runtime",
          "a CSV file rank 0 writes a row to for each autotune sample (Horovod's columns: the parameters and "
@@ -435,7 +438,8 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--timeline-filename",), "write a timeline (rank 0)", "FILE"),), yaml="timeline.filename"),
     Knob("HORA_TIMELINE_MARK_CYCLES", Boolean(), False, "data plane",
          "mark each busy pass of the engine loop in the timeline", ("HOROVOD_TIMELINE_MARK_CYCLES",),
-         "timeline_mark_cycles", options=(Option(("--timeline-mark-cycles",), "mark cycles in the timeline"),),
+         "timeline_mark_cycles", options=(Option(("--timeline-mark-cycles",), "mark cycles in the timeline"),
+                                          Option(("--no-timeline-mark-cycles",), "do not mark cycles", const=False)),
          yaml="timeline.mark_cycles"),
     # without effect: read and validated so a Horovod job's settings carry over
     Knob("HORA_TORUS_ALLREDUCE", Boolean(), False, "without effect", "Horovod's torus allreduce for NCCL",
@@ -447,7 +451,8 @@ KNOBS: tuple[Knob, ...] = (
          yaml="library_options.num_nccl_streams"),
     Knob("HORA_MPI_THREADS_DISABLE", Boolean(), False, "without effect", "MPI without threads",
          ("HOROVOD_MPI_THREADS_DISABLE",), "extras.mpi_threads_disable",
-         options=(Option(("--mpi-threads-disable",), "MPI without threads"),),
+         options=(Option(("--mpi-threads-disable",), "MPI without threads"),
+                  Option(("--no-mpi-threads-disable",), "MPI with threads", const=False)),
          yaml="library_options.mpi_threads_disable"),
     # passed on: horarun sets them for libraries a rank may load; hora does not read them
     Knob("HOROVOD_CCL_BGT_AFFINITY", Integer(), None, "passed on", "oneCCL's background thread core",
