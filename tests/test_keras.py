@@ -211,3 +211,31 @@ def test_keras(legacy_keras: bool, size: int) -> None:
     results = run_ranks(size, keras_job, legacy_keras, timeout=380, env=env)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
+
+
+# The names Horovod's horovod.tensorflow.keras and horovod.keras import from horovod.tensorflow
+# besides the Keras ones (its examples call hvd.nccl_built(), hvd.add_process_set(), ...).
+HOROVOD_KERAS_BASICS = (
+    "add_process_set remove_process_set global_process_set ProcessSet ccl_built cuda_built ddl_built gloo_built "
+    "gloo_enabled mpi_built mpi_enabled mpi_threads_supported nccl_built rocm_built start_timeline stop_timeline "
+    "init shutdown is_initialized size local_size cross_size rank local_rank cross_rank is_homogeneous"
+).split()
+
+
+@pytest.mark.timeout(120)
+def test_the_keras_modules_have_horovods_names() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import hora.keras, hora.keras.elastic, hora.tensorflow.keras as k\n"
+        f"names = {HOROVOD_KERAS_BASICS!r}\n"
+        "for m in (k, hora.keras):\n"
+        "    missing = [n for n in names if not hasattr(m, n) or n not in m.__all__]\n"
+        "    assert not missing, (m.__name__, missing)\n"
+        "assert hora.keras.elastic.TensorFlowKerasState is k.elastic.TensorFlowKerasState\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110,
+                            env=dict(os.environ, **TF_ENV))  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

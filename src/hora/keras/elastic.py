@@ -7,10 +7,12 @@ from hora.tensorflow.keras.elastic import (
     UpdateEpochStateCallback,
     run,
 )
+from hora.tensorflow.elastic import TensorFlowKerasState
 
 __all__ = [
     "CommitStateCallback",
     "KerasState",
+    "TensorFlowKerasState",
     "UpdateBatchStateCallback",
     "UpdateEpochStateCallback",
     "run",
