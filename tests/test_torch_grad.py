@@ -121,6 +121,23 @@ def grad_job() -> list[str]:
         lambda ls: [[sum(ls[0])[bounds[r] : bounds[r + 1]], sum(ls[1])[r : r + 1]] for r in range(n)], "size*sum", 2,
         lambda r, i: [(rows, 2), (n,)][i], lambda r, i: [(bounds[r + 1] - bounds[r], 2), (1,)][i], 31,
     )  # fmt: skip
+    # Horovod's autograd functions called directly, with its positional arguments (average first)
+    from hora.torch.mpi_ops import HorovodAllreduce, HorovodGroupedAllreduce
+
+    ps = hvd.global_process_set
+    check(
+        "HorovodAllreduce.apply", lambda m: [HorovodAllreduce.apply(m[0], None, "direct", hvd.Sum, 1.0, 1.0, ps)],
+        lambda ls: [[sum(ls[0])] for _ in range(n)], "sum", 1, same((3,)), same((3,)), 40,
+    )  # fmt: skip
+    check(
+        "HorovodAllreduce.apply average=True", lambda m: [HorovodAllreduce.apply(m[0], True, None, None, 1.0, 1.0, ps)],
+        lambda ls: [[sum(ls[0]) / n] for _ in range(n)], "sum", 1, same((3,)), same((3,)), 41,
+    )  # fmt: skip
+    check(
+        "HorovodGroupedAllreduce.apply",
+        lambda m: list(HorovodGroupedAllreduce.apply(None, "direct group", hvd.Sum, 1.0, 1.0, ps, *m)),
+        lambda ls: [[sum(ls[0]), sum(ls[1])] for _ in range(n)], "sum", 2, same((2,)), same((2,)), 42,
+    )  # fmt: skip
     hvd.shutdown()
     return problems
 

@@ -45,15 +45,17 @@ class HorovodAllreduce(torch.autograd.Function):
     def forward(
         ctx: Any,
         tensor: torch.Tensor,
+        average: bool | None,
         name: str | None,
-        op: int,
+        op: int | None,
         prescale_factor: float,
         postscale_factor: float,
         process_set: ProcessSet,
     ) -> torch.Tensor:
-        ctx.op, ctx.process_set = op, process_set
+        # Horovod's arguments, in its order (``HorovodAllreduce.apply(tensor, average, name, ...)``).
+        ctx.op, ctx.process_set = ops.resolve_op(op, average), process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        handle = c.allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
+        handle = c.allreduce_async(tensor, None, name, ctx.op, prescale_factor, postscale_factor, process_set)
         return synchronize(handle)  # type: ignore[no-any-return]
 
     @staticmethod
@@ -62,7 +64,7 @@ class HorovodAllreduce(torch.autograd.Function):
             grad_output, op=ctx.op, prescale_factor=ctx.prescale_factor,
             postscale_factor=ctx.postscale_factor, process_set=ctx.process_set,
         )  # fmt: skip
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 @outside_compile
@@ -98,7 +100,7 @@ def allreduce(
     """
     op = ops.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _apply(HorovodAllreduce, compressed, name, op, prescale_factor, postscale_factor, process_set)
+    reduced = _apply(HorovodAllreduce, compressed, None, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)  # type: ignore[no-any-return]
 
 
@@ -108,17 +110,19 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        average: bool | None,
         name: str | None,
-        op: int,
+        op: int | None,
         prescale_factor: float,
         postscale_factor: float,
         process_set: ProcessSet,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.process_set = op, process_set
+        # Horovod's arguments, in its order (``HorovodGroupedAllreduce.apply(average, name, ..., *tensors)``).
+        ctx.op, ctx.process_set = ops.resolve_op(op, average), process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         handle = c.grouped_allreduce_async(
-            list(tensors), None, name, op, prescale_factor, postscale_factor, process_set
+            list(tensors), None, name, ctx.op, prescale_factor, postscale_factor, process_set
         )
         return tuple(synchronize(handle))
 
@@ -128,7 +132,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
             list(grad_outputs), op=ctx.op, prescale_factor=ctx.prescale_factor,
             postscale_factor=ctx.postscale_factor, process_set=ctx.process_set,
         )  # fmt: skip
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, *grads)
 
 
 @outside_compile
@@ -145,8 +149,8 @@ def grouped_allreduce(
     """Reduces every tensor of the list as one group (differentiable); returns the results in order."""
     op = ops.resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
-    reduced = _apply(HorovodGroupedAllreduce, 
-        name, op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs]
+    reduced = _apply(
+        HorovodGroupedAllreduce, None, name, op, prescale_factor, postscale_factor, process_set, *[p[0] for p in pairs]
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
