@@ -268,9 +268,9 @@ class BestModelCheckpoint(_ModelCheckpoint):  # type: ignore[misc]
         self,
         monitor: str = "val_loss",
         verbose: int = 0,
+        save_weights_only: bool = False,
         mode: str = "auto",
         save_freq: str | int = "epoch",
-        save_weights_only: bool = False,
         *,
         filepath: str | None = None,
     ) -> None:
