@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 TORCH = {
-    "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor", "process_set"],
+    "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor",
+                  "process_set"],
     "allreduce_async": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
     "allreduce_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
     "allreduce_async_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],

@@ -44,7 +44,9 @@ class ElasticRayExecutor:
         override_discovery: bool = True,
     ) -> None:
         if gpus_per_slot and not use_gpu:
-            raise ValueError("gpus_per_slot is set, but use_gpu is False. use_gpu must be True if gpus_per_slot is set.")
+            raise ValueError(
+                "gpus_per_slot is set, but use_gpu is False. use_gpu must be True if gpus_per_slot is set."
+            )
         gpus_per_slot = gpus_per_slot or int(use_gpu)
         if use_gpu and gpus_per_slot < 1:
             raise ValueError(f"gpus_per_slot must be >= 1: Got {gpus_per_slot}.")

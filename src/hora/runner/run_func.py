@@ -131,8 +131,9 @@ def run(
     if network_interface:
         network_interfaces = network_interface
         warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning, 2)
-    for old, new in (("np", "num_proc"), ("min_np", "min_num_proc"), ("max_np", "max_num_proc")):
-        if locals()[old] is not None:
+    deprecated = (("np", "num_proc", np), ("min_np", "min_num_proc", min_np), ("max_np", "max_num_proc", max_np))
+    for old, new, value in deprecated:
+        if value is not None:
             warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, 2)
     num_proc = num_proc if np is None else np
     min_num_proc = min_num_proc if min_np is None else min_np
@@ -193,11 +194,11 @@ def run(
         name = callable_name(func)
         if settings.elastic is not None:
             return _run_elastic(settings, settings.elastic, directory, name)
-        slots_ = prepare(settings)
+        placed = prepare(settings)
         if settings.mpi:
-            code = launch_mpi(settings, slots_, settings.mpi_args)
-            return _collect_by_code(code, len(slots_), directory, name, f"mpirun failed with exit code {code}")
-        job = Job(settings, slots_, Sink(sys.stdout), Sink(sys.stderr), os.environ)
+            code = launch_mpi(settings, placed, settings.mpi_args)
+            return _collect_by_code(code, len(placed), directory, name, f"mpirun failed with exit code {code}")
+        job = Job(settings, placed, Sink(sys.stdout), Sink(sys.stderr), os.environ)
         result = job.run(timeout=timeout)
         return _collect(result, directory, name, timeout)
     finally:
