@@ -180,12 +180,27 @@ def test_torchrun_style_variables_set_by_hand(script: Path, tmp_path: Path) -> N
     check_job(subprocess.CompletedProcess([], 0, "".join(out for out, _ in outputs), ""), 3, "torchrun")
 
 
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free: torchrun's agent takes P, hora's rendezvous P + 1."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def test_torchrun_itself(system: None, script: Path, tmp_path: Path) -> None:
     torchrun = Path(PY).with_name("torchrun")
     if not torchrun.exists():
         pytest.fail("torchrun is missing: the test environment installs torch (requirements/frameworks.txt)")
+    # The port is chosen here: torchrun's own pick is free, but not always the port after it
+    # (a run of the suite once met it taken, and hora's rank 0 said so and stopped).
     result = run(
-        [str(torchrun), "--nproc_per_node=2", "--no-python", PY, str(script)],
+        [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port_pair()}", "--no-python", PY, str(script)],
         clean_env(HORA_SECRET=SECRET),
         tmp_path,
     )
