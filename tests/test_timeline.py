@@ -88,3 +88,32 @@ def test_rank_zero_records_every_tensor(tmp_path: Path, dynamic: bool) -> None:
     assert grad[-1]["args"] == {"dtype": "float32", "shape": "[3]"}
     assert [e["ts"] for e in grad] == sorted(e["ts"] for e in grad)
     assert any(e.get("name") == "SHM_ALLGATHER" for e in by_tensor["allgather.gathered"])
+
+
+def live_job(path: str) -> list[str]:
+    """Rank 0 reads the timeline file while the job runs on, idle, after each collective."""
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    seen = []
+    for name, call in (("allreduce.small", lambda: hvd.allreduce(np.ones(3), name="small")),
+                       ("allgather.rows", lambda: hvd.allgather(np.ones((2, 2)), name="rows")),
+                       ("allreduce.large", lambda: hvd.allreduce(np.ones(1 << 18), name="large"))):  # fmt: skip
+        call()
+        time.sleep(0.2)  # idle: nothing else will make rank 0's engine write
+        if hvd.rank() == 0:
+            text = Path(path).read_text()
+            seen.append(f"{name}: {'there' if json.loads(text) and name in text else 'missing'}")
+        hvd.barrier()
+    hvd.shutdown()
+    return seen
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+def test_the_file_shows_each_finished_collective_while_the_job_runs(tmp_path: Path) -> None:
+    path = str(tmp_path / "timeline.json")
+    seen = run_ranks(2, live_job, path, env={"HORA_TIMELINE": path})[0]
+    assert seen == ["allreduce.small: there", "allgather.rows: there", "allreduce.large: there"]

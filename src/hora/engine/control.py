@@ -255,6 +255,16 @@ class ControlPlane:
                 return True
         return False
 
+    def settle_timeline(self) -> None:
+        """Writes the timeline's pending events once a pass leaves nothing to run now.
+
+        The file on disk then shows every finished collective while the rank waits or
+        idles (Horovod's writer thread writes events as they come); during a burst of work
+        the events are written together.
+        """
+        if self.timeline is not None and not self.busy():
+            self.timeline.flush()
+
     def publish(self) -> None:
         """Leaves the engine thread the plan it sleeps by (under the drive lock, before
         letting go of it)."""

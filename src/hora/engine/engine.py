@@ -484,6 +484,7 @@ class Engine:
             )
         except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
             self._caller_error = exc
+        control.settle_timeline()  # the engine thread may sleep next: the file shows this call's work
         self._caller_left = time.perf_counter()
         self._driving = False
         lane_waits = control.lane is not None and control.lane.pending is not None
@@ -612,8 +613,7 @@ class Engine:
                 return True
         if control.run_pass():
             self._last_work = time.perf_counter()
-        elif control.timeline is not None:
-            control.timeline.flush()  # about to idle: the file on disk is complete
+        control.settle_timeline()
         # Rank 0 is done once it has left and every worker has left too.
         return control.leaving_since is not None and not control.links and not control.responses
 
