@@ -69,7 +69,7 @@ class ElasticRayExecutor:
             reset_limit=settings.reset_limit,
             cooldown_range=settings.cooldown_range,
             elastic_timeout=settings.elastic_timeout,
-            override_discovery=False,  # settings.discovery is set either way
+            override_discovery=False,  # settings.discovery: ours above, or the caller's (None: Ray's nodes)
         )
 
     @staticmethod
