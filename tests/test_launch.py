@@ -24,7 +24,15 @@ import pytest
 from hora import config as config_module
 from hora.core.bootstrap import topology_from_hosts
 from hora.config import Config
-from hora.config.launchers import block_cross, detect, expand_hostlist, parse_tasks_per_node, slurm_port
+from hora.config.launchers import (
+    AgentStore,
+    block_cross,
+    detect,
+    expand_hostlist,
+    parse_tasks_per_node,
+    slurm_port,
+)
+from hora.errors import HoraInternalError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -180,31 +188,45 @@ def test_torchrun_style_variables_set_by_hand(script: Path, tmp_path: Path) -> N
     check_job(subprocess.CompletedProcess([], 0, "".join(out for out, _ in outputs), ""), 3, "torchrun")
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free: torchrun's agent takes P, hora's rendezvous P + 1."""
-    for _ in range(50):
-        port = free_port()
-        try:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
 def test_torchrun_itself(system: None, script: Path, tmp_path: Path) -> None:
     torchrun = Path(PY).with_name("torchrun")
     if not torchrun.exists():
         pytest.fail("torchrun is missing: the test environment installs torch (requirements/frameworks.txt)")
-    # The port is chosen here: torchrun's own pick is free, but not always the port after it
-    # (a run of the suite once met it taken, and hora's rank 0 said so and stopped).
-    result = run(
-        [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port_pair()}", "--no-python", PY, str(script)],
-        clean_env(HORA_SECRET=SECRET),
-        tmp_path,
-    )
+    # Twice in one process: the second init() must meet at its own rank 0's new port, not the first's.
+    twice = tmp_path / "twice.py"
+    twice.write_text(SCRIPT.replace("hvd.init()", "hvd.init(); hvd.barrier(); hvd.shutdown(); hvd.init()"))
+    # With the port after MASTER_PORT taken: hora no longer needs it (rank 0 publishes a free one).
+    port = free_port()
+    with socket.socket() as neighbour:
+        try:
+            neighbour.bind(("127.0.0.1", port + 1))
+        except OSError:
+            pass  # already taken by someone else: the same case
+        neighbour.listen()
+        result = run(
+            [str(torchrun), "--nproc_per_node=2", f"--master_port={port}", "--no-python", PY, str(twice)],
+            clean_env(HORA_SECRET=SECRET),
+            tmp_path,
+        )
     check_job(result, 2, "torchrun")
+
+
+def test_torchrun_agent_store_carries_rank_0s_port() -> None:
+    from torch.distributed import TCPStore
+
+    from hora.core.bootstrap import _AgentStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    where = AgentStore("127.0.0.1", master.port, "/hora/attempt_0/rendezvous_port")
+    rank0, rank1 = _AgentStore(where, 0, 5.0), _AgentStore(where, 1, 0.5)
+    assert rank0.publish(41234) == 41234 and rank1.read() == 41234
+    rank0.withdraw()  # every rank connected: a later init() waits for its own port
+    with pytest.raises(HoraInternalError, match=r"rank 1 did not get rank 0's rendezvous port from torchrun's agent"):
+        rank1.read()
+    rank0.withdraw()  # twice (a failed start, then close) is harmless
+    gone = AgentStore("127.0.0.1", free_port(), where.key)
+    with pytest.raises(HoraInternalError, match=r"rank 2 cannot reach torchrun's agent store at 127\.0\.0\.1:"):
+        _AgentStore(gone, 2, 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -285,8 +307,13 @@ def test_recorded_slurm_environment() -> None:
 def test_recorded_torchrun_environment() -> None:
     config = Config.from_env(TORCHRUN_RECORDED)
     assert topology(config) == (3, 4, 1, 2, 1, 2) and config.launcher == "torchrun"
-    # torchrun's agent serves its own store on MASTER_PORT: hora's rendezvous takes the next port.
-    assert (config.rendezvous_addr, config.rendezvous_port) == ("node01", 29501)
+    # torchrun's agent serves its own store on MASTER_PORT: rank 0 publishes its own port there.
+    assert (config.rendezvous_addr, config.rendezvous_port) == ("node01", None)
+    assert config.agent_store == AgentStore("node01", 29500, "/hora/attempt_0/rendezvous_port")
+    restarted = Config.from_env(dict(TORCHRUN_RECORDED, TORCHELASTIC_RESTART_COUNT="2"))
+    assert restarted.agent_store is not None and restarted.agent_store.key == "/hora/attempt_2/rendezvous_port"
+    named = Config.from_env(dict(TORCHRUN_RECORDED, HORA_RENDEZVOUS_PORT="5005"))  # a port named for hora wins
+    assert (named.rendezvous_port, named.agent_store) == (5005, None)
     operator = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
                 "HORA_SECRET": SECRET}  # fmt: skip
     config = Config.from_env(operator)  # a Kubernetes operator: one process per pod, no local variables

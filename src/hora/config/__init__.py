@@ -93,6 +93,7 @@ class Config:
     exact_cross: bool = True
     rendezvous_addr: str | None = None
     rendezvous_port: int | None = None
+    agent_store: launchers.AgentStore | None = None  # torchrun: where rank 0 publishes rendezvous_port
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     iface: str | None = None
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
@@ -153,6 +154,7 @@ class Config:
             rendezvous_port = knobs.read("HORA_RENDEZVOUS_PORT", variables) or None
             launcher = "horarun" if topology.size > 1 or _horarun_topology(variables) else "none"
             host_rendezvous, exact_cross = False, True
+            agent_store = None
         else:
             hostname = knobs.read("HORA_HOSTNAME", variables) or launch.hostname or socket.gethostname()
             topology = Topology(
@@ -165,6 +167,7 @@ class Config:
                 hostname,
             )
             rendezvous_addr, rendezvous_port = launch.rendezvous_addr, launch.rendezvous_port
+            agent_store = launch.agent_store
             launcher, host_rendezvous, exact_cross = launch.launcher, True, launch.exact_cross
         mpi_bootstrap = (
             launch is not None
@@ -181,6 +184,7 @@ class Config:
             exact_cross=exact_cross,
             rendezvous_addr=rendezvous_addr,
             rendezvous_port=rendezvous_port,
+            agent_store=agent_store,
             secret=secret,
             extras=Extras(**extras),
             autotune_fixed=tuple(
@@ -249,7 +253,10 @@ class Config:
             )
         unset = [
             name
-            for name, value in (("MASTER_ADDR", self.rendezvous_addr), ("MASTER_PORT", self.rendezvous_port))
+            for name, value in (
+                ("MASTER_ADDR", self.rendezvous_addr),
+                ("MASTER_PORT", self.rendezvous_port if self.agent_store is None else self.agent_store.port),
+            )
             if value is None
         ]
         if unset:

@@ -22,7 +22,8 @@ Without ``horarun`` there is no launcher-run rendezvous server: rank 0 runs it, 
 
 * ``HORA_RENDEZVOUS_ADDR``/``HORA_RENDEZVOUS_PORT`` when set, else
 * ``MASTER_ADDR``/``MASTER_PORT`` when set (under torchrun itself, whose agent already
-  listens on ``MASTER_PORT``, at ``MASTER_PORT + 1``), else
+  serves its own store there, at a free port rank 0 picks and publishes in that store:
+  ``AgentStore``), else
 * under Slurm, the first node of the step (``127.0.0.1`` for a one-node step) and a port
   derived from the job and step ids (``slurm_port``), else
 * under mpirun, an address and port rank 0 picks and shares through MPI (needs mpi4py;
@@ -41,9 +42,29 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-TORCHRUN_DEFAULT_AGENT_PORT_OFFSET = 1
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentStore:
+    """torchrun's agent store, where rank 0 publishes the port of hora's rendezvous.
+
+    torchrun's agent serves a key-value store at ``MASTER_ADDR:MASTER_PORT`` for its
+    workers (``TORCHELASTIC_USE_AGENT_STORE=True``), so hora cannot listen there. Rank 0
+    listens on a free port instead and writes it under ``key``; the key carries
+    ``TORCHELASTIC_RESTART_COUNT`` so that a restarted attempt never reads the port of the
+    attempt before it.
+
+    Attributes:
+        addr: the store's host (``MASTER_ADDR``).
+        port: the store's port (``MASTER_PORT``).
+        key: where rank 0 writes its rendezvous port.
+    """
+
+    addr: str
+    port: int
+    key: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +77,10 @@ class LaunchEnv:
         hostname: the node name the launcher gives, or None.
         rendezvous_addr: where rank 0 runs the rendezvous server, or None when rank 0
             picks it and shares it through MPI.
-        rendezvous_port: its port, or None (likewise).
+        rendezvous_port: its port, or None (likewise, or when rank 0 publishes it in
+            ``agent_store``).
         exact_cross: the cross ranks come from the launcher, not from an assumption.
+        agent_store: torchrun's agent store, when rank 0 publishes its port there.
     """
 
     launcher: str
@@ -71,6 +94,7 @@ class LaunchEnv:
     rendezvous_addr: str | None
     rendezvous_port: int | None
     exact_cross: bool = False
+    agent_store: AgentStore | None = None
 
     @property
     def is_mpi(self) -> bool:
@@ -191,11 +215,6 @@ def _explicit_rendezvous(env: Mapping[str, str]) -> tuple[str | None, int | None
     port_name = _first(env, "HORA_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT", "MASTER_PORT")
     addr = env[addr_name].strip() if addr_name else None
     port = _integer(env, port_name, 1, 65535) if port_name else None
-    if port_name == "MASTER_PORT" and port is not None and _truthy(env.get("TORCHELASTIC_USE_AGENT_STORE")):
-        # torchrun's agent already serves its own store on MASTER_PORT.
-        port = port + TORCHRUN_DEFAULT_AGENT_PORT_OFFSET
-        if port > 65535:
-            raise ValueError("MASTER_PORT=65535 leaves no port for hora's rendezvous: set HORA_RENDEZVOUS_PORT")
     return addr, port
 
 
@@ -309,8 +328,27 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
     cross_rank, cross_size = block_cross(rank, size, local_rank, local_size)
     if group is not None:
         cross_rank = group
-    launch = LaunchEnv("torchrun", rank, size, local_rank, local_size, cross_rank, cross_size, None, addr, port)
+    store = _agent_store(env)
+    if store is not None and _first(env, "HORA_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT") is None:
+        port = None  # the agent holds MASTER_PORT: rank 0 picks a port and publishes it in the agent's store
+    else:
+        store = None
+    launch = LaunchEnv(
+        "torchrun", rank, size, local_rank, local_size, cross_rank, cross_size, None, addr, port, agent_store=store
+    )
     return _checked(launch, "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE")
+
+
+def _agent_store(env: Mapping[str, str]) -> AgentStore | None:
+    """torchrun's agent store, when torchrun says its workers may use it."""
+    if not _truthy(env.get("TORCHELASTIC_USE_AGENT_STORE")):
+        return None
+    if not env.get("MASTER_ADDR", "").strip() or not env.get("MASTER_PORT", "").strip():
+        return None
+    restart = _optional(env, "TORCHELASTIC_RESTART_COUNT") or 0
+    return AgentStore(
+        env["MASTER_ADDR"].strip(), _integer(env, "MASTER_PORT", 1, 65535), f"/hora/attempt_{restart}/rendezvous_port"
+    )
 
 
 def _is_loopback_name(host: str) -> bool:

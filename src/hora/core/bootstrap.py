@@ -6,6 +6,8 @@
 * under ``mpirun``, ``srun`` or torchrun-style variables rank 0 runs the server itself
   (``RendezvousServer`` in its own process) at the address and port ``hora.config.launchers``
   worked out, and stops it once the job's connections are made;
+* under torchrun itself, whose agent holds ``MASTER_PORT``, rank 0 runs it on a free port
+  and writes that port in the agent's store, where the other ranks read it (``_AgentStore``);
 * under ``mpirun`` with whatever the environment left open (no ``HORA_SECRET``, no
   address or port), rank 0 creates it: a fresh secret, a free port, its own address,
   and broadcasts them with mpi4py (``MPI.COMM_WORLD.Bcast`` of a fixed binary record,
@@ -22,11 +24,14 @@ ranks when the launcher's variables do not say them.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 from hora.config import Config, Topology
+from hora.config.launchers import AgentStore
 from hora.errors import HoraInternalError
 from hora.transport import auth, netif
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
@@ -46,16 +51,22 @@ class Rendezvous:
         client: the connection to the job's rendezvous server.
         secret: the job secret (from the environment or from rank 0 through MPI).
         server: the server this rank runs (rank 0 without ``horarun``), else None.
+        published: torchrun's agent store, where rank 0 wrote the server's port, else None.
     """
 
     client: RendezvousClient
     secret: bytes
     server: RendezvousServer | None
+    published: _AgentStore | None = None
 
     def close(self) -> None:
         self.client.close()
         if self.server is not None:
             self.server.stop()
+        if self.published is not None:
+            # Every rank has connected (read the port) by now; a later init() of this
+            # attempt must wait for the port of its own server, not find this one.
+            self.published.withdraw()
 
 
 def open_rendezvous(config: Config) -> Rendezvous:
@@ -67,8 +78,17 @@ def open_rendezvous(config: Config) -> Rendezvous:
     topology = config.topology
     addr, port, secret = config.rendezvous_addr, config.rendezvous_port, config.secret
     server: RendezvousServer | None = None
+    published: _AgentStore | None = None
     if config.mpi_bootstrap:
         addr, port, secret, server = _mpi_bootstrap(config)
+    elif config.agent_store is not None:
+        assert addr is not None and secret is not None  # checked by Config
+        published = _AgentStore(config.agent_store, topology.rank, config.start_timeout)
+        if topology.rank == 0:
+            server = _serve(addr, 0, secret, f"{config.launcher} variables")
+            port = published.publish(server.port)
+        else:
+            port, published = published.read(), None
     elif config.host_rendezvous and topology.rank == 0:
         assert addr is not None and port is not None and secret is not None  # checked by Config
         server = _serve(addr, port, secret, f"{config.launcher} variables")
@@ -78,12 +98,78 @@ def open_rendezvous(config: Config) -> Rendezvous:
     except (OSError, TimeoutError) as exc:
         if server is not None:
             server.stop()
+        if published is not None:
+            published.withdraw()
         hosted = " (rank 0 hosts it)" if config.host_rendezvous else ""
         raise HoraInternalError(
             f"hora.init: rank {topology.rank} on {topology.hostname} could not reach the rendezvous server at "
             f"{addr}:{port}{hosted}: {exc}"
         ) from None
-    return Rendezvous(client, secret, server)
+    return Rendezvous(client, secret, server, published)
+
+
+class _AgentStore:
+    """A connection to torchrun's agent store, through which rank 0 shares its rendezvous port.
+
+    torch's own ``TCPStore`` client speaks the store's protocol; torchrun runs only where
+    torch is installed, so importing it here adds no dependency to a job that lacks it.
+    """
+
+    def __init__(self, store: AgentStore, rank: int, timeout: float) -> None:
+        """Connects to the agent's store.
+
+        Raises:
+            HoraInternalError: torch is missing or the store cannot be reached; names it.
+        """
+        self._store = store
+        self._rank = rank
+        self._where = f"torchrun's agent store at {store.addr}:{store.port} (MASTER_ADDR:MASTER_PORT)"
+        try:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        except ImportError:
+            raise HoraInternalError(
+                f"hora.init: rank {rank} runs under torchrun (TORCHELASTIC_USE_AGENT_STORE) but cannot import "
+                "torch.distributed to read the rendezvous port from torchrun's store; set HORA_RENDEZVOUS_PORT "
+                "to a free port instead"
+            ) from None
+        try:
+            self._client: Any = TCPStore(
+                store.addr, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+            )
+        except (RuntimeError, OSError) as exc:
+            raise HoraInternalError(f"hora.init: rank {rank} cannot reach {self._where}: {exc}") from None
+
+    def publish(self, port: int) -> int:
+        """Writes the port rank 0's rendezvous server listens on; returns it."""
+        try:
+            self._client.set(self._store.key, str(port))
+        except (RuntimeError, OSError) as exc:
+            raise HoraInternalError(
+                f"hora.init: rank 0 cannot write its rendezvous port to {self._where}: {exc}"
+            ) from None
+        return port
+
+    def read(self) -> int:
+        """Waits for rank 0's port (up to the start timeout).
+
+        Raises:
+            HoraInternalError: rank 0 did not publish it in time, or the store failed.
+        """
+        try:
+            text = bytes(self._client.get(self._store.key)).decode("ascii")
+        except (RuntimeError, OSError) as exc:
+            raise HoraInternalError(
+                f"hora.init: rank {self._rank} did not get rank 0's rendezvous port from {self._where} "
+                f"(key {self._store.key}): {exc}; is rank 0 running and calling hora.init()?"
+            ) from None
+        return int(text)
+
+    def withdraw(self) -> None:
+        """Removes the published port; the store may be gone already (torchrun ending)."""
+        try:
+            self._client.delete_key(self._store.key)
+        except (RuntimeError, OSError) as exc:
+            log.debug("could not remove %s from %s: %s", self._store.key, self._where, exc)
 
 
 def _serve(addr: str, port: int, secret: bytes, source: str) -> RendezvousServer:
