@@ -284,6 +284,46 @@ def test_a_rank_that_crashes_is_reported_lost_not_shut_down(tmp_path):
     assert "shut down" not in message
 
 
+def crashing_rank_0_job(tmp: str) -> str:
+    """Rank 0 dies of an uncaught exception while rank 1 waits, outside hora, for rank 0's
+    process to end (as a rank waits in an MPI call of its own program under mpirun)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, time, numpy as np, hora.numpy as hvd\n"
+        "hvd.init()\n"
+        "pids = hvd.allgather_object(os.getpid())\n"
+        f"ready = {tmp!r} + '/ready'\n"
+        "if hvd.rank() == 0:\n"
+        "    while not os.path.exists(ready):  # rank 1 is past the allgather: nothing of hora's in flight\n"
+        "        time.sleep(0.01)\n"
+        "    raise ValueError('boom')\n"
+        "open(ready, 'w').close()\n"
+        "def alive(pid):\n"
+        "    try:\n"
+        "        return open(f'/proc/{pid}/stat').read().split()[2] != 'Z'\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "while alive(pids[0]):\n"
+        "    time.sleep(0.05)\n"
+        "try:\n"
+        "    hvd.allreduce(np.ones(2), name='needs-0')\n"
+        "except hvd.HoraInternalError as exc:\n"
+        f"    open({tmp!r} + '/rank1.txt', 'w').write(str(exc))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], check=False, timeout=60, capture_output=True, text=True).stderr
+
+
+@pytest.mark.timeout(90)
+def test_rank_0_that_crashes_fails_the_job_at_once(tmp_path):
+    # Before, rank 0 waited at exit for rank 1 to leave hora, and rank 1 for rank 0 to exit: a hang.
+    results = run_ranks(2, crashing_rank_0_job, str(tmp_path), timeout=80)
+    assert (tmp_path / "rank1.txt").exists(), results[1]
+    message = (tmp_path / "rank1.txt").read_text()
+    assert "rank 0 on host" in message and "was lost: it exited after an uncaught ValueError: boom" in message, message
+
+
 def malformed_frame_job() -> str:
     import struct
 

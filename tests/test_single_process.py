@@ -91,6 +91,18 @@ def test_dynamic_mode_is_required_to_add_sets(fresh):
         hvd.add_process_set([0])
 
 
+def test_a_duplicate_set_raises_and_hora_stays_initialized_as_horovod(fresh):
+    again = hvd.ProcessSet([0])  # the global set's ranks
+    with pytest.raises(ValueError, match=r"process_sets entry number 0 is a duplicate: ProcessSet\(process_set_id=None"):
+        hvd.init(process_sets=[again])
+    assert hvd.is_initialized() and again.process_set_id is None
+    assert hvd.allreduce(np.ones(1), name="still").tolist() == [1.0]
+    with pytest.raises(ValueError, match="expected a list of rank integers or an mpi4py.MPI.Comm object"):
+        hvd.init(comm=42)
+    with pytest.raises(ValueError, match="a list of process ranks or an mpi4py Comm object; got float"):
+        hvd.ProcessSet(1.5)
+
+
 @pytest.mark.parametrize("setting, seconds", [(None, 300e-6), ("0", 0.0), ("50", 50e-6)])
 def test_the_spin_after_work_is_the_machines_choice_unless_hora_spin_us_sets_it(fresh, monkeypatch, setting, seconds):
     from hora.core.api import current

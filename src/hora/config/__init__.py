@@ -94,6 +94,9 @@ class Config:
     rendezvous_addr: str | None = None
     rendezvous_port: int | None = None
     agent_store: launchers.AgentStore | None = None  # torchrun: where rank 0 publishes rendezvous_port
+    # init(comm=<an mpi4py sub-communicator>): the communicator the job runs over (its own
+    # duplicate); None: MPI's world, where MPI started the job (hora.core.mpi_comm).
+    mpi_comm: Any = dataclasses.field(default=None, repr=False, compare=False)
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     iface: str | None = None
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD

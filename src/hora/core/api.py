@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -29,6 +29,7 @@ from hora.engine.engine import CALLED_SHUTDOWN
 from hora.engine.messages import RequestType
 from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
+from hora.core import mpi_comm
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.core import membership as world_membership
 from hora.core.membership import Membership
@@ -72,24 +73,42 @@ def current() -> Runtime:
     return runtime
 
 
-def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Starts hora: connects to the other ranks and starts the engine thread.
 
-    Idempotent while running; after ``shutdown()`` it starts a new runtime.
+    Idempotent while running (as Horovod, a later call only binds the ``ProcessSet``
+    objects it names to the sets registered already); after ``shutdown()`` it starts a
+    new runtime.
 
     Args:
-        comm: None for all ranks, or a list that names every rank (sub-communicators
-            and mpi4py communicators are not supported by the built-in transport).
-        process_sets: ``ProcessSet`` objects to register (ids 1, 2, ... in order), or
-            ``"dynamic"`` to allow ``add_process_set``/``remove_process_set`` later.
+        comm: None for all ranks; a list that names every rank; or an mpi4py
+            communicator: the whole MPI world, or a sub-communicator whose ranks then
+            form a job of their own (``hora.core.mpi_comm``).
+        process_sets: ``ProcessSet`` objects to register, or ``"dynamic"`` to allow
+            ``add_process_set``/``remove_process_set`` later. As Horovod registers them:
+            first the groups the ranks' communicator-defined sets describe (gathered
+            over ``comm``, which must then be an mpi4py communicator), then the sets
+            given by ranks, each distinct group once (ids 1, 2, ... in that order).
 
     Raises:
-        ValueError: bad arguments or configuration, naming the problem.
+        ValueError: bad arguments or configuration, naming the problem; also a set
+            that duplicates another in ``process_sets`` (or the global set): hora
+            stays initialized, with that object left unregistered, as Horovod.
+        NotImplementedError: communicator-defined sets without an mpi4py ``comm``.
         HoraInternalError: the other ranks could not be reached, naming them.
     """
+    mpi_world = mpi_comm.as_comm(comm)
+    if comm is not None and mpi_world is None and (not isinstance(comm, Iterable) or isinstance(comm, (str, bytes))):
+        raise ValueError(
+            f"hora.init(comm={comm!r}): expected a list of rank integers or an mpi4py.MPI.Comm object"
+        )
+    sets = _listed_sets(process_sets)
     with _context.lock:
         if _context.runtime is not None:
             if _context.runtime.pid == os.getpid():
+                running = _context.runtime
+                if sets:
+                    _bind_listed(running, sets)
                 return
             _forget_runtime()  # a forked child: its copy of the parent's runtime is unusable
         config = Config.from_env()
@@ -101,22 +120,20 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
             membership = world_membership.join(config, generation, announce=last is not None)
             _context.membership_generation = membership.generation  # the next init() asks for the one after
             config = membership.config
-        if comm is not None and sorted(int(r) for r in comm) != list(range(config.topology.size)):
+        if mpi_world is not None:
+            config = mpi_comm.job_over(config, mpi_world)
+        elif comm is not None and sorted(int(r) for r in comm) != list(range(config.topology.size)):
             raise ValueError(
-                f"hora.init(comm={list(comm)}): only the whole job can be initialized; "
-                "use process_sets= for collectives among a subset of ranks"
+                f"hora.init(comm={list(comm)}): a list must name every rank of the job; "
+                "use process_sets= for collectives among a subset of ranks, or pass an mpi4py "
+                "sub-communicator to run a job over its ranks"
             )
-        dynamic = config.dynamic_process_sets
-        sets: list[ProcessSet] = []
-        if isinstance(process_sets, str):
-            if process_sets != "dynamic":
-                raise ValueError(f"process_sets={process_sets!r}: expected a list of ProcessSet or 'dynamic'")
-            dynamic = True
-        elif process_sets is not None:
-            sets = list(process_sets)
-            for process_set in sets:
-                if not isinstance(process_set, ProcessSet):
-                    raise ValueError(f"process_sets must hold ProcessSet objects; got {process_set!r}")
+        if any(ps.ranks is None for ps in sets) and (mpi_world is None or mpi_comm.world_comm(config) is None):
+            raise NotImplementedError(
+                "Process sets defined by MPI communicators need hvd.init(comm=<an mpi4py communicator>) "
+                "(the job's, such as MPI.COMM_WORLD) in a job MPI started (mpirun)"
+            )
+        dynamic = config.dynamic_process_sets or process_sets == "dynamic"
         logs.configure(config.log_level, config.log_hide_time)
         ignored = config.extras.unsupported()
         if ignored and config.topology.rank == 0:
@@ -139,21 +156,97 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         _context.dynamic = dynamic
         _context.set_calls = 0
         global_process_set._bind(runtime, 0)
+        global_process_set.mpi_comm = mpi_world
         if not _context.atexit_registered:
             atexit.register(_shutdown_at_exit)
             _context.atexit_registered = True
         try:
-            adding = [(ps, _submit_set(runtime, ps)) for ps in sets if ps is not global_process_set]
+            adding = [_submit_set(runtime, ranks) for ranks in _new_groups(runtime, sets)]
         except BaseException:
             shutdown()
             raise
     # The sets' collectives are waited for without the lock (see add_process_set).
     try:
-        for process_set, handle in adding:
-            _bind_set(runtime, process_set, handle)
+        for handle in adding:
+            _await_set(handle)
     except BaseException:
         shutdown()
         raise
+    with _context.lock:
+        if _context.runtime is not runtime:
+            raise HoraInternalError("hora.init: hora shut down while it registered the process sets")
+        _bind_listed(runtime, sets)
+
+
+def _listed_sets(process_sets: Sequence[ProcessSet] | str | None) -> list[ProcessSet]:
+    """The ``ProcessSet`` objects ``init`` was given, the global set left out.
+
+    Raises:
+        ValueError: neither a list of ``ProcessSet`` nor ``"dynamic"``.
+    """
+    if process_sets is None or process_sets == "dynamic":
+        return []
+    if isinstance(process_sets, str):
+        raise ValueError(f"process_sets={process_sets!r}: expected a list of ProcessSet or 'dynamic'")
+    sets = list(process_sets)
+    for process_set in sets:
+        if not isinstance(process_set, ProcessSet):
+            raise ValueError(f"process_sets must hold ProcessSet objects; got {process_set!r}")
+    return [process_set for process_set in sets if process_set is not global_process_set]
+
+
+def _new_groups(runtime: Runtime, sets: list[ProcessSet]) -> list[tuple[int, ...]]:
+    """The groups of ranks ``init`` registers for ``sets``, in Horovod's order, each once
+    and none registered already (the global set is). Every rank computes the same list:
+    the communicator-defined groups are gathered over MPI, and every rank is given the
+    same rank-defined sets."""
+    world = mpi_comm.world_comm(runtime.config)
+    by_comm = [ps.mpi_comm for ps in sets if ps.ranks is None]
+    groups = mpi_comm.gather_sets(by_comm, world) if by_comm else []
+    groups += [tuple(ps.ranks) for ps in sets if ps.ranks is not None]
+    fresh: list[tuple[int, ...]] = []
+    for ranks in groups:
+        if ranks not in fresh and runtime.engine.sets.find(ranks) is None:
+            fresh.append(ranks)
+    return fresh
+
+
+def _bind_listed(runtime: Runtime, sets: list[ProcessSet]) -> None:
+    """Binds each of ``init``'s ``ProcessSet`` objects to the registered set of its ranks
+    (holding ``_context.lock``).
+
+    Raises:
+        ValueError: a set no registration holds, or one that repeats an earlier entry
+            or the global set: as Horovod, that object is left unregistered (the
+            others stay bound, hora stays up) and the first such entry is named.
+    """
+    seen = {0}
+    duplicate: tuple[int, ProcessSet] | None = None
+    for index, process_set in enumerate(sets):
+        if process_set.ranks is None:
+            world = mpi_comm.world_comm(runtime.config)
+            assert world is not None  # init() refused communicator-defined sets without one
+            process_set.ranks = list(mpi_comm.ranks_of(process_set.mpi_comm, world))
+        set_id = runtime.engine.sets.find(tuple(process_set.ranks))
+        if set_id is None:
+            raise ValueError(
+                f"hora.init: {process_set} is not registered: the first init() of this job registers the sets "
+                "(add_process_set() adds one in dynamic mode)"
+            )
+        if set_id in seen:
+            process_set._unbind()
+            duplicate = duplicate or (index, process_set)
+            continue
+        seen.add(set_id)
+        process_set._bind(runtime, set_id)
+        if process_set not in _context.sets:
+            _context.sets.append(process_set)
+    if duplicate is not None:
+        index, process_set = duplicate
+        raise ValueError(
+            f"hora.init: process_sets entry number {index} is a duplicate: {process_set} (hora is initialized; "
+            "that entry is not registered)"
+        )
 
 
 def _forget_runtime() -> None:
@@ -178,13 +271,13 @@ def shutdown() -> None:
     _shutdown(CALLED_SHUTDOWN)
 
 
-def _shutdown(how: str) -> None:
+def _shutdown(how: str, lost: bool = False) -> None:
     with _context.lock:
         runtime = _context.runtime
         if runtime is None:
             return
         _forget_runtime()
-    left_mapped = runtime.shutdown(how)
+    left_mapped = runtime.shutdown(how, lost)
     del runtime
     if left_mapped and how == CALLED_SHUTDOWN:
         # The engine's objects form reference cycles that hold views into the shared
@@ -202,7 +295,7 @@ def _shutdown_at_exit() -> None:
     if isinstance(error, BaseException) and not isinstance(error, SystemExit):
         detail = f"{type(error).__name__}: {error}"
         detail = detail if len(detail) <= 200 else detail[:197] + "..."
-        _shutdown(f"was lost: it exited after an uncaught {detail}")
+        _shutdown(f"was lost: it exited after an uncaught {detail}", lost=True)
     else:
         _shutdown("has shut down (its program ended)")
 
@@ -415,40 +508,35 @@ def join(device: int = -1) -> int:
     return int(ops.join(current()).wait())
 
 
-def _submit_set(runtime: Runtime, process_set: ProcessSet) -> Handle:
-    """Submits the collective that registers ``process_set`` (holding ``_context.lock``,
-    which keeps the ranks' numbering of these calls in step).
+def _submit_set(runtime: Runtime, ranks: Sequence[int]) -> Handle:
+    """Submits the collective that registers a set of these ranks (holding
+    ``_context.lock``, which keeps the ranks' numbering of these calls in step).
 
     Raises:
-        ValueError: a duplicate set, or ranks outside the job.
+        ValueError: ranks outside the job.
     """
-    if process_set.process_set_id is not None and process_set._runtime is runtime:
-        raise ValueError(f"Attempted to add a duplicate process set: {process_set!r}")
-    bad = [r for r in process_set.ranks if r >= runtime.size]
-    if bad or not process_set.ranks:
-        raise ValueError(f"{process_set!r}: ranks must be non-empty and below the job size {runtime.size}")
+    if not ranks or any(r >= runtime.size for r in ranks):
+        raise ValueError(f"ProcessSet(ranks={list(ranks)}): ranks must be non-empty and below the job size {runtime.size}")
     _context.set_calls += 1
     name = f"process_set.add.{_context.set_calls}"
-    return runtime.submit(RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=process_set.ranks)
+    return runtime.submit(RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=list(ranks))
 
 
-def _bind_set(runtime: Runtime, process_set: ProcessSet, handle: Handle) -> None:
-    """Waits for the registration (without ``_context.lock``: a ``shutdown()`` from another
-    thread must not wait behind it) and binds the set to its id.
+def _await_set(handle: Handle) -> int:
+    """Waits for a registration (without ``_context.lock``: a ``shutdown()`` from another
+    thread must not wait behind it).
+
+    Returns:
+        The new set's id.
 
     Raises:
-        ValueError: the ranks disagreed about the set.
+        ValueError: the ranks disagreed about the set, or it exists already.
         HoraInternalError: the job failed or shut down meanwhile.
     """
     try:
-        set_id = int(handle.wait())
+        return int(handle.wait())
     except CollectiveMismatchError as exc:
         raise ValueError(str(exc)) from None
-    with _context.lock:
-        if _context.runtime is not runtime:
-            raise HoraInternalError(f"add_process_set({list(process_set.ranks)}): hora shut down meanwhile")
-        process_set._bind(runtime, set_id)
-        _context.sets.append(process_set)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -470,9 +558,22 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         )
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
+    if process_set.ranks is None:
+        raise NotImplementedError(
+            "Dynamically adding process sets defined by an MPI communicator is not implemented. "
+            "Please build the process set via a list of ranks."
+        )
+    ranks = process_set.ranks
     with _context.lock:
-        handle = _submit_set(runtime, process_set)
-    _bind_set(runtime, process_set, handle)
+        if process_set.process_set_id is not None and process_set._runtime is runtime:
+            raise ValueError(f"Attempted to add a duplicate process set: {process_set!r}")
+        handle = _submit_set(runtime, ranks)
+    set_id = _await_set(handle)
+    with _context.lock:
+        if _context.runtime is not runtime:
+            raise HoraInternalError(f"add_process_set({ranks}): hora shut down meanwhile")
+        process_set._bind(runtime, set_id)
+        _context.sets.append(process_set)
     return process_set
 
 

@@ -11,7 +11,8 @@
 * under ``mpirun`` with whatever the environment left open (no ``HORA_SECRET``, no
   address or port), rank 0 creates it: a fresh secret, a free port, its own address,
   and broadcasts them with mpi4py (``MPI.COMM_WORLD.Bcast`` of a fixed binary record,
-  never a pickle).
+  never a pickle); for a job over a sub-communicator (``init(comm=...)``) rank 0 of the
+  communicator does it, through the communicator.
 
 ``advertise`` then publishes every rank's host, network (``netif.network_id``: the
 machine and network namespace) and chosen address under ``addr/<generation>/<rank>``,
@@ -32,6 +33,7 @@ from typing import Any
 
 from hora.config import Config, Topology
 from hora.config.launchers import AgentStore
+from hora.engine.mpi_collectives import initialized_mpi
 from hora.errors import HoraInternalError
 from hora.transport import auth, netif
 from hora.transport.rendezvous import RendezvousClient, RendezvousTimeout
@@ -209,11 +211,8 @@ def advertised_address(config: Config) -> str:
 def _mpi_bootstrap(config: Config) -> tuple[str, int, bytes, RendezvousServer | None]:
     """Rank 0 fills in what the environment left open and broadcasts it through MPI."""
     topology = config.topology
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # Config checked that the package is there
-        raise HoraInternalError(f"hora.init: mpi4py could not be imported to share the job secret: {exc}") from None
-    comm = MPI.COMM_WORLD
+    MPI = initialized_mpi("hora.init, to share the job secret through MPI,")  # Config checked mpi4py is there
+    comm = MPI.COMM_WORLD if config.mpi_comm is None else config.mpi_comm  # init(comm=...)'s, if any
     if comm.Get_size() != topology.size or comm.Get_rank() != topology.rank:
         raise HoraInternalError(
             f"hora.init: MPI.COMM_WORLD has rank {comm.Get_rank()} of {comm.Get_size()}, but the launcher's "

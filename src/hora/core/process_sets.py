@@ -8,7 +8,9 @@ every rank. Every collective takes ``process_set=``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from hora.core import mpi_comm
 
 if TYPE_CHECKING:
     from hora.core.runtime import Runtime
@@ -18,28 +20,32 @@ class ProcessSet:
     """A set of ranks that run collectives among themselves.
 
     Args:
-        ranks_or_comm: the global ranks of the set (any order; kept sorted). An
-            mpi4py communicator is not supported by hora's built-in transport.
+        ranks_or_comm: the global ranks of the set (any order; kept sorted), or an
+            mpi4py communicator: the set of its members, resolved when ``init`` (given
+            the job's communicator) registers it.
 
     Attributes:
         process_set_id: assigned when the set is registered; None before.
-        ranks: the sorted global ranks.
-        mpi_comm: always None in hora.
+        ranks: the sorted global ranks; None for a communicator's set before ``init``.
+        mpi_comm: the communicator the set was made from, else None.
     """
 
-    def __init__(self, ranks_or_comm: Iterable[int]) -> None:
+    def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
+        self.process_set_id: int | None = None
+        self._runtime: Runtime | None = None
+        self.mpi_comm: Any = mpi_comm.as_comm(ranks_or_comm)
+        self.ranks: list[int] | None = None
+        if self.mpi_comm is not None:
+            return
         if not isinstance(ranks_or_comm, Iterable) or isinstance(ranks_or_comm, (str, bytes)):
             raise ValueError(
-                f"ProcessSet needs a list of ranks; got {type(ranks_or_comm).__name__} "
-                "(MPI communicators are not supported by hora's built-in transport)"
+                "ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object; "
+                f"got {type(ranks_or_comm).__name__}"
             )
         ranks = [int(r) for r in ranks_or_comm]
         if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
             raise ValueError(f"ProcessSet ranks must be distinct non-negative integers; got {ranks}")
-        self.ranks: list[int] = sorted(ranks)
-        self.process_set_id: int | None = None
-        self.mpi_comm: None = None
-        self._runtime: Runtime | None = None
+        self.ranks = sorted(ranks)
 
     def _bind(self, runtime: Runtime, set_id: int) -> None:
         self._runtime = runtime
@@ -99,6 +105,7 @@ class _GlobalProcessSet(ProcessSet):
         super()._unbind()
         self.process_set_id = 0
         self.ranks = []
+        self.mpi_comm = None
 
 
 global_process_set: ProcessSet = _GlobalProcessSet()

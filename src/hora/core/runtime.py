@@ -267,19 +267,21 @@ class Runtime:
                 "(or fork before hvd.init())."
             )
 
-    def shutdown(self, how: str = CALLED_SHUTDOWN) -> int:
+    def shutdown(self, how: str = CALLED_SHUTDOWN, lost: bool = False) -> int:
         """Leaves the job: this rank's unfinished collectives fail, the others go on.
 
-        On rank 0 this returns once every rank has left (rank 0 coordinates them).
+        On rank 0 this returns once every rank has left (rank 0 coordinates them),
+        unless ``lost``: then rank 0 fails the job at once (``Engine.stop``).
 
         Args:
             how: what the others are told of this rank (see ``Engine.stop``).
+            lost: the rank is leaving because its program failed.
 
         Returns:
             The shared segments still mapped until the cycle collector runs (``Engine.stop``).
         """
         if os.getpid() == self.pid:
-            return self.engine.stop(how)
+            return self.engine.stop(how, lost)
         return 0
 
     @property

@@ -152,7 +152,7 @@ class Engine:
         # Holds back signal handlers while the main thread runs engine passes.
         self._shield = InterruptShield()
         # HORA_TRANSPORT=mpi: data through MPI communicators (made collectively now).
-        mpi = MpiWorld(self.rank, self.size) if config.transport == "mpi" else None
+        mpi = MpiWorld(self.rank, self.size, config.mpi_comm) if config.transport == "mpi" else None
         self._executor = Executor(self.rank, self.sets, self.queue, self._collectives_for)
         # Every rank on this machine, the cache on, the built-in transport: cached small
         # allreduces may skip the coordinator (hora.engine.fast_lane).
@@ -200,6 +200,7 @@ class Engine:
         self._caller_error: BaseException | None = None  # raised by a caller's pass; the engine fails with it
         self._stop_requested = False
         self._leaving_how = CALLED_SHUTDOWN  # what others are told of this rank (see stop)
+        self._leaving_lost = False  # its program failed: rank 0 then fails the job (see stop)
         self._finished = False  # set under _drive once the engine has failed or closed
         self._driving = False  # set while a caller holds _drive (see drive)
         # Threads in drive() waiting for _drive to come free, by thread id: each sleeps on a
@@ -497,15 +498,19 @@ class Engine:
             or lane_waits
         )
 
-    def stop(self, how: str = CALLED_SHUTDOWN) -> int:
+    def stop(self, how: str = CALLED_SHUTDOWN, lost: bool = False) -> int:
         """Makes this rank leave the job and waits until its engine has finished.
 
         On rank 0 this returns once every other rank has left too, since they need
-        rank 0 to coordinate their remaining collectives.
+        rank 0 to coordinate their remaining collectives; but a rank 0 that is ``lost``
+        fails the job instead, so that every rank learns why at once: waiting for
+        the others would hang where they wait on rank 0 outside hora (an MPI call of
+        the program's own, under an mpirun that ends the job only once rank 0 exits).
 
         Args:
             how: what the others are told of this rank when a collective needs it
                 (``Coordinator.depart``).
+            lost: the rank leaves because its program failed (an uncaught exception).
 
         Returns:
             How many shared segments stayed mapped: the engine's objects refer to each
@@ -514,6 +519,7 @@ class Engine:
             then, so a reset gives the memory back at once).
         """
         self._leaving_how = how
+        self._leaving_lost = lost
         self._stop_requested = True
         self._sleeper.wake()
         if threading.current_thread() is not self._thread:
@@ -607,6 +613,8 @@ class Engine:
         control.absorb(events)
         endings.note_lingering(control)
         if self._stop_requested and control.leaving_since is None:
+            if self._leaving_lost and control.coordinator is not None:
+                raise JobFailed(f"rank {self.rank} on host {control.hostname} {self._leaving_how}")
             endings.begin_leaving(control, self._leaving_how)
             if control.coordinator is None:
                 endings.leave(control, self._leaving_how)

@@ -43,6 +43,38 @@ from hora.transport.tcp import Patience, Watch
 log = logging.getLogger(__name__)
 
 
+def initialized_mpi(purpose: str) -> Any:
+    """mpi4py's MPI module, with MPI initialised.
+
+    A program may turn mpi4py's own initialisation off (``mpi4py.rc.initialize = False``,
+    as Horovod's tests do, Horovod initialising MPI itself); hora then initialises MPI as
+    Horovod does (``MPI_Init_thread``, ``MPI_THREAD_MULTIPLE``) and finalises it at exit,
+    after its own shutdown (exit handlers run last-registered first, and ``init()``
+    registers hora's shutdown once its runtime is up).
+
+    Args:
+        purpose: what needs MPI, for the error message.
+
+    Raises:
+        HoraInternalError: mpi4py is missing, or MPI was finalised already.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise HoraInternalError(f"{purpose} needs mpi4py ({exc}): pip install 'hora[mpi]'") from None
+    if MPI.Is_finalized():
+        raise HoraInternalError(f"{purpose}: MPI was finalised already (MPI.Finalize() ran before hora.init())")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize, MPI)
+    return MPI
+
+
+def _finalize(mpi: Any) -> None:
+    if not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 def load_mpi() -> Any:
     """Imports mpi4py's MPI module and checks that the engine thread may call it.
 
@@ -50,12 +82,7 @@ def load_mpi() -> Any:
         HoraInternalError: mpi4py is missing, or MPI was initialised without thread
             support (the engine thread makes the calls).
     """
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise HoraInternalError(
-            f"HORA_TRANSPORT=mpi needs mpi4py ({exc}): pip install 'hora[mpi]', or unset HORA_TRANSPORT"
-        ) from None
+    MPI = initialized_mpi("HORA_TRANSPORT=mpi")
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         raise HoraInternalError(
             "HORA_TRANSPORT=mpi: MPI was initialised without thread support, but hora's engine thread makes the "
@@ -283,17 +310,18 @@ class MpiWorld:
     early must not wait for the others); ``MPI_Finalize`` at exit releases them.
 
     Args:
-        rank: this rank (must be MPI's rank in ``COMM_WORLD``).
-        size: the job's size (must be ``COMM_WORLD``'s).
+        rank: this rank (must be MPI's rank in ``comm``).
+        size: the job's size (must be ``comm``'s).
+        comm: the communicator the job runs over (``init(comm=...)``); None: ``COMM_WORLD``.
 
     Raises:
         HoraInternalError: MPI is unusable, or its ranks are not hora's (the job was
             not started by mpirun with one rank per process).
     """
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, comm: Any = None) -> None:
         self._mpi = load_mpi()
-        world = self._mpi.COMM_WORLD
+        world = self._mpi.COMM_WORLD if comm is None else comm
         if (world.Get_rank(), world.Get_size()) != (rank, size):
             raise HoraInternalError(
                 f"HORA_TRANSPORT=mpi: hora's rank {rank} of {size} is MPI's rank {world.Get_rank()} of "
