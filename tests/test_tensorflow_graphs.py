@@ -154,6 +154,55 @@ def test_graph_collectives_agree_whatever_order_ranks_run_them(size: int) -> Non
     expect_no_problems(run_ranks(size, graphs_job, timeout=380, env=TF_ENV))
 
 
+def bound_rank_default_session_job(keep_one_thread: bool) -> list[str]:
+    """The graph's collectives in a Session with TensorFlow's default threads, in a rank
+    bound to one CPU as mpirun binds it (TensorFlow's pool then has one thread)."""
+    import os
+    import time
+
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[int(os.environ["HORA_RANK"]) % len(cpus)]})
+    if not keep_one_thread:
+        del os.environ["TF_NUM_INTEROP_THREADS"]  # TF_ENV's; hora's default is what is checked
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    import hora.tensorflow as hvd
+
+    hvd.init()
+    c = Checks()
+    me, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(2000 + me)
+    arrays = [_values(i, me, n) for i in range(9)]
+    want = [t.numpy() for t in _build(tf, hvd, [tf.constant(a) for a in arrays])]
+
+    def delayed(a: np.ndarray) -> Any:
+        def sleep(t: Any) -> Any:
+            time.sleep(float(rng.uniform(0.0, 0.004)))
+            return t
+
+        out = tf.py_function(sleep, [tf.constant(a)], tf.float32)
+        out.set_shape(a.shape)
+        return out
+
+    graph = tf.Graph()
+    with graph.as_default():
+        outs = _build(tf, hvd, [delayed(a) for a in arrays])
+        with tf.compat.v1.Session(graph=graph) as session:  # TensorFlow's default threads
+            for run in range(SESSION_RUNS):
+                for i, (got, w) in enumerate(zip(session.run(outs), want)):
+                    c.close(f"session run {run} output {i}", got, w)
+    hvd.shutdown()
+    return c.problems
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_bound_to_one_cpu_runs_a_sessions_independent_collectives() -> None:
+    # Before hora asked TensorFlow for more inter-op threads, each rank's only thread could
+    # hold a different collective and the ranks waited for each other for ever.
+    expect_no_problems(run_ranks(2, bound_rank_default_session_job, False, timeout=180, env=TF_ENV))
+
+
 def one_sided_job(culprit: int) -> dict[str, str]:
     tf, hvd = start()
     me, n = hvd.rank(), hvd.size()

@@ -19,6 +19,7 @@ Elastic training: ``hvd.elastic`` (``run``, ``TensorFlowKerasState``, ``TensorFl
 
 from __future__ import annotations
 
+import os as _os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
 from hora.core.api import is_homogeneous
 from hora.compression import Compressor
+from hora.tensorflow import bridge as _bridge
 from hora.tensorflow import elastic
 from hora.tensorflow import optimizer as _optimizer
 from hora.tensorflow.basics import (
@@ -129,6 +131,8 @@ def __getattr__(name: str) -> Any:
         return SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+_bridge.provide_session_threads(_os.environ)  # before TensorFlow's runtime starts (docs/tensorflow.md)
 
 __all__ = [
     "BroadcastGlobalVariablesHook",

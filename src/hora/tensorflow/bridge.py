@@ -55,8 +55,9 @@ body): the second run's name is in flight and is refused.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -338,6 +339,35 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_dtypes: Sequence[Any], what: 
 
     outputs = tf.py_function(body, list(inputs), list(out_dtypes), name=op_name)
     return [] if outputs is None else list(outputs)
+
+
+SESSION_THREADS = 64  # the fewest inter-op threads hora asks TensorFlow for (provide_session_threads)
+
+
+def provide_session_threads(environ: MutableMapping[str, str]) -> None:
+    """Gives TF1 Sessions enough inter-op threads for the collectives they run at once.
+
+    In a Session each collective holds an inter-op thread while it waits (a py_function
+    cannot wait asynchronously as Horovod's C++ kernels do). TensorFlow's pool has as many
+    threads as the CPUs the process may use: one under ``mpirun``'s binding to a core, so
+    two independent collectives in one graph could each hold a rank's only thread,
+    different ones on different ranks, and wait for each other for ever (Horovod's own
+    ``test_horovod_allgather_fused_cpu`` did). Sessions and eager execution share one
+    pool, sized when TensorFlow starts its runtime; so, before that, and unless the
+    program chose (``TF_NUM_INTEROP_THREADS``, ``tf.config.threading``, a Session's own
+    ``inter_op_parallelism_threads``), hora asks for ``SESSION_THREADS`` threads or the
+    CPUs, whichever is more. Extra threads sleep until work comes.
+
+    Args:
+        environ: the process's environment (``os.environ``), where TensorFlow reads it.
+    """
+    if "TF_NUM_INTEROP_THREADS" in environ:
+        return
+    from tensorflow.python.eager import context  # type: ignore[import-untyped]
+
+    if getattr(context.context(), "_initialized", True):  # the runtime runs: its pool is sized
+        return
+    environ["TF_NUM_INTEROP_THREADS"] = str(max(SESSION_THREADS, len(os.sched_getaffinity(0))))
 
 
 SESSION_WAIT_MESSAGE = (
