@@ -363,17 +363,28 @@ def test_loopback_across_hosts_is_refused_naming_the_rank(cluster: Cluster, rank
 
 
 def test_hora_run_on_remote_hosts(cluster: Cluster, tmp_path: Path) -> None:
+    # The call and the results travel through hora.run's store, in pieces past 1 MiB.
     code = textwrap.dedent(
         f"""
         import os, hora
-        def where():
-            return os.environ["HORA_HOSTNAME"], int(os.environ["HORA_RANK"])
-        print(hora.run(where, num_proc=2, hosts="{cluster.hosts[0].address}:1,{cluster.hosts[2].address}:1"))
+        def where(blob):
+            rank = int(os.environ["HORA_RANK"])
+            if rank == 1 and len(blob) == 1:
+                raise ValueError("rank 1 refuses")
+            return os.environ["HORA_HOSTNAME"], rank, len(blob), bytes([rank]) * 1_500_000
+        hosts = "{cluster.hosts[0].address}:1,{cluster.hosts[2].address}:1"
+        results = hora.run(where, args=(b"x" * 3_000_000,), num_proc=2, hosts=hosts)
+        print([(host, rank, size, len(back), set(back)) for host, rank, size, back in results])
+        try:
+            hora.run(where, args=(b"x",), num_proc=2, hosts=hosts)
+        except RuntimeError as exc:
+            print("failed:", "ValueError: rank 1 refuses" in str(exc))
         """
     )
     result = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=90, env=horarun_env(cluster),
                             cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == str(
-        [(cluster.hosts[0].address, 0), (cluster.hosts[2].address, 1)]
-    )
+    lines = result.stdout.strip().splitlines()
+    first, third = cluster.hosts[0].address, cluster.hosts[2].address
+    assert lines[-2] == str([(first, 0, 3_000_000, 1_500_000, {0}), (third, 1, 3_000_000, 1_500_000, {1})])
+    assert lines[-1] == "failed: True", result.stdout

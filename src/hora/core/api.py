@@ -516,7 +516,9 @@ def _submit_set(runtime: Runtime, ranks: Sequence[int]) -> Handle:
         ValueError: ranks outside the job.
     """
     if not ranks or any(r >= runtime.size for r in ranks):
-        raise ValueError(f"ProcessSet(ranks={list(ranks)}): ranks must be non-empty and below the job size {runtime.size}")
+        raise ValueError(
+            f"ProcessSet(ranks={list(ranks)}): ranks must be non-empty and below the job size {runtime.size}"
+        )
     _context.set_calls += 1
     name = f"process_set.add.{_context.set_calls}"
     return runtime.submit(RequestType.ADD_PROCESS_SET, name, DataType.UINT8, None, None, splits=list(ranks))

@@ -1,35 +1,37 @@
 """``hora.run``: call a Python function on every rank of a job and collect the results.
 
 ``horovod.run``'s signature and meaning: the function, its arguments and keyword
-arguments are cloudpickled into a temporary directory; each rank runs
-``python -m hora.runner.task DIR`` (``hora.runner.task``) through what ``horarun`` runs
-for the same settings (its ``Job``; ``mpirun`` with ``use_mpi``; the elastic driver for an
+arguments are cloudpickled onto an authenticated key-value store that this process serves
+for the job (as Horovod serves them from an HTTP store on the launcher), so ranks on any
+host fetch them, and store their results, without a shared file system; each rank runs
+``python -m hora.runner.task`` (``hora.runner.task``) through what ``horarun`` runs for
+the same settings (its ``Job``; ``mpirun`` with ``use_mpi``; the elastic driver for an
 elastic job), so ranks get the same environment, output forwarding and
 stop-everything-on-failure behaviour. The return values come back in rank order.
-
-Where Horovod hands the function to the ranks through an HTTP key-value store on the
-launcher, hora uses that directory: ranks on other hosts need it on a shared file system.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora.config import knobs
 from hora.runner.elastic.settings import ElasticSettings
+from hora.runner.hosts import SlotInfo, is_local_host
 from hora.runner.job import Job, JobResult
 from hora.runner.launch import check, prepare
 from hora.runner.mpi_launch import launch_mpi
 from hora.runner.output import Sink
+from hora.runner.placement import ANY, LOOPBACK
 from hora.runner.settings import LaunchSettings
 from hora.runner.summary import failure_lines
+from hora.transport import auth, netif
+from hora.transport.rendezvous_server import RendezvousServer
 
 
 def run(
@@ -169,14 +171,15 @@ def run(
         raise ValueError("hora.run: use_mpi cannot run an elastic job: MPI's world is fixed")
     if elastic.elastic and timeout is not None:
         raise ValueError("hora.run: timeout applies to a job that is not elastic")
-    directory = tempfile.mkdtemp(prefix="hora-run-")
+    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    secret = auth.new_secret()
+    store = RendezvousServer(secret, host=_store_bind(hosts, hostfile, elastic)).start()
     try:
-        with open(os.path.join(directory, task.PAYLOAD), "wb") as handle:
-            cloudpickle.dump((func, tuple(args), dict(kwargs or {})), handle)
-        with open(os.path.join(directory, task.SYS_PATH), "w", encoding="utf-8") as handle:
-            json.dump([entry for entry in sys.path if isinstance(entry, str)], handle)
+        task.put_pieces(store.put, task.PAYLOAD, payload)
+        task.put_pieces(store.put, task.SYS_PATH, json.dumps([e for e in sys.path if isinstance(e, str)]).encode())
+        env = dict(env or {}, HORA_RUN_STORE_PORT=str(store.port), HORA_RUN_SECRET=secret.hex())
         settings = LaunchSettings(
-            command=(executable or sys.executable, "-m", "hora.runner.task", directory),
+            command=(executable or sys.executable, "-m", "hora.runner.task"),
             num_proc=num_proc,
             hosts=hosts,
             hostfile=hostfile,
@@ -193,19 +196,41 @@ def run(
         )
         name = callable_name(func)
         if settings.elastic is not None:
-            return _run_elastic(settings, settings.elastic, directory, name)
+            return _run_elastic(settings, settings.elastic, store, name)
         placed = prepare(settings)
         if settings.mpi:
+            # mpirun's ranks get no launcher address from hora: name the store's.
+            settings = dataclasses.replace(settings, env=dict(env, HORA_RUN_STORE_ADDR=_store_address(placed)))
             code = launch_mpi(settings, placed, settings.mpi_args)
-            return _collect_by_code(code, len(placed), directory, name, f"mpirun failed with exit code {code}")
+            return _collect_by_code(code, len(placed), store, name, f"mpirun failed with exit code {code}")
         job = Job(settings, placed, Sink(sys.stdout), Sink(sys.stderr), os.environ)
         result = job.run(timeout=timeout)
-        return _collect(result, directory, name, timeout)
+        return _collect(result, store, name, timeout)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        store.stop()
 
 
-def _run_elastic(settings: LaunchSettings, elastic: ElasticSettings, directory: str, name: str) -> list[Any]:
+def _store_bind(hosts: str | None, hostfile: str | None, elastic: ElasticSettings) -> str:
+    """Where the store listens: loopback when every rank runs here, as horarun's rendezvous."""
+    if hostfile is not None or elastic.host_discovery_script is not None:
+        return ANY
+    names = [entry.strip().rsplit(":", 1)[0] for entry in (hosts or "localhost").split(",") if entry.strip()]
+    return LOOPBACK if all(is_local_host(name) for name in names) else ANY
+
+
+def _store_address(slots: Sequence[SlotInfo]) -> str:
+    """The address ranks under mpirun reach the store at: loopback when every rank runs
+    here, else this machine's address on the route to the first other host."""
+    remote = [slot.hostname for slot in slots if not is_local_host(slot.hostname)]
+    if not remote:
+        return LOOPBACK
+    source = netif.route_source(remote[0])
+    if source is None:
+        raise ValueError(f"hora.run: no address of this machine reaches host {remote[0]}: check the host's name")
+    return source
+
+
+def _run_elastic(settings: LaunchSettings, elastic: ElasticSettings, store: RendezvousServer, name: str) -> list[Any]:
     """Runs an elastic ``hora.run`` job under ``horarun``'s elastic driver; returns its results.
 
     Raises:
@@ -218,7 +243,7 @@ def _run_elastic(settings: LaunchSettings, elastic: ElasticSettings, directory: 
     driver = ElasticDriver(settings, elastic, Sink(sys.stdout), Sink(sys.stderr), os.environ)
     outcome = driver.run()
     assert elastic.min_np is not None  # validated
-    return _collect_by_code(outcome.exit_code, elastic.min_np, directory, name, outcome.reason)
+    return _collect_by_code(outcome.exit_code, elastic.min_np, store, name, outcome.reason)
 
 
 def callable_name(func: Callable[..., Any]) -> str:
@@ -226,7 +251,7 @@ def callable_name(func: Callable[..., Any]) -> str:
     return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
 
 
-def _collect(result: JobResult, directory: str, name: str, timeout: float | None) -> list[Any]:
+def _collect(result: JobResult, store: RendezvousServer, name: str, timeout: float | None) -> list[Any]:
     """Turns a finished job into results, or raises for the way it failed."""
     size = len(result.ranks)
     if result.timed_out and result.first_failure is None:
@@ -238,20 +263,20 @@ def _collect(result: JobResult, directory: str, name: str, timeout: float | None
     if result.first_failure is not None or result.start_error is not None or result.interrupted_by is not None:
         detail: list[str] | None = None
         if result.first_failure is not None:
-            detail = _traceback(directory, result.first_failure)
+            detail = _traceback(store, result.first_failure)
         title = None if result.first_failure is None else f"traceback of rank {result.first_failure}"
         report = "\n".join(line.removeprefix("horarun: ") for line in failure_lines(result, detail, title))
         raise RuntimeError(f"hora.run: {name} failed on {size} ranks:\n{report}")
-    return _results(directory, size, name)
+    return _results(store, size, name)
 
 
-def _collect_by_code(code: int, count: int, directory: str, name: str, how: str) -> list[Any]:
+def _collect_by_code(code: int, count: int, store: RendezvousServer, name: str, how: str) -> list[Any]:
     """Results of a job known only by its exit code (under mpirun, or elastic), or the error.
 
     Args:
         code: the launcher's exit code.
         count: how many results to return (ranks ``0 .. count - 1``).
-        directory: the job's directory.
+        store: the job's store.
         name: the function's name, for messages.
         how: how the job ended, for the message's first line.
 
@@ -260,35 +285,31 @@ def _collect_by_code(code: int, count: int, directory: str, name: str, how: str)
             lowest rank that wrote one.
     """
     if code == 0:
-        return _results(directory, count, name)
+        return _results(store, count, name)
     lines = [f"hora.run: {name} failed: {how}"]
-    failed = sorted(
-        int(entry.rpartition(".")[2])
-        for entry in os.listdir(directory)
-        if entry.startswith("error.") and entry.rpartition(".")[2].isdigit()
-    )
+    from hora.runner import task
+
+    errors = [key.removesuffix("/count").removeprefix(task.store_key("error.")) for key in store.keys()]
+    failed = sorted(int(rank) for rank in errors if rank.isdigit())
     if failed:
         lines.append(f"traceback of rank {failed[0]}:")
-        lines.extend("    " + line for line in _traceback(directory, failed[0]) or [])
+        lines.extend("    " + line for line in _traceback(store, failed[0]) or [])
     raise RuntimeError("\n".join(lines))
 
 
-def _traceback(directory: str, rank: int) -> list[str] | None:
-    """The traceback rank ``rank`` wrote, as lines, or None if it wrote none."""
+def _traceback(store: RendezvousServer, rank: int) -> list[str] | None:
+    """The traceback rank ``rank`` stored, as lines, or None if it stored none."""
     from hora.runner import task
 
-    path = task.error_path(directory, rank)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        return handle.read().rstrip("\n").splitlines()
+    text = task.get_pieces(store.get, task.error_name(rank))
+    return None if text is None else text.decode("utf-8", errors="replace").rstrip("\n").splitlines()
 
 
-def _results(directory: str, count: int, name: str) -> list[Any]:
+def _results(store: RendezvousServer, count: int, name: str) -> list[Any]:
     """The return values of ranks ``0 .. count - 1``.
 
     Raises:
-        RuntimeError: a rank exited 0 without writing its result.
+        RuntimeError: a rank exited 0 without storing its result.
     """
     import cloudpickle
 
@@ -296,12 +317,11 @@ def _results(directory: str, count: int, name: str) -> list[Any]:
 
     values = []
     for rank in range(count):
-        path = task.result_path(directory, rank)
-        if not os.path.exists(path):
+        data = task.get_pieces(store.get, task.result_name(rank))
+        if data is None:
             raise RuntimeError(
                 f"hora.run: rank {rank} exited with code 0 but returned no result from {name} "
                 "(did it call sys.exit() or os._exit()?)"
             )
-        with open(path, "rb") as handle:
-            values.append(cloudpickle.load(handle))
+        values.append(cloudpickle.loads(data))
     return values

@@ -108,6 +108,11 @@ class RendezvousServer:
         with self._changed:
             return self._store.get(key)
 
+    def keys(self) -> list[str]:
+        """The keys stored, for the launcher's own use."""
+        with self._changed:
+            return list(self._store)
+
     def put(self, key: str, value: bytes) -> None:
         """Stores a value, for the launcher's own use."""
         with self._changed:
