@@ -481,6 +481,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_ELASTIC_GENERATION", Integer(), None, "topology",
          "set by horarun's elastic driver: the world this worker was started for; `init()` then takes its rank "
          "from the driver, not from the variables above", field="elastic_generation", shown_default=""),
+    Knob("HORA_RUN_STORE_ADDR", Text(), None, "topology",
+         "set by `hora.run` under `use_mpi`: the address of the store that serves the call (else the store is at "
+         "`HORA_RENDEZVOUS_ADDR`)", shown_default=""),
+    Knob("HORA_RUN_STORE_PORT", Integer(1, 65535), None, "topology",
+         "set by `hora.run`: the port of the store that serves the call to each rank and takes its result",
+         shown_default=""),
+    Knob("HORA_RUN_SECRET", Text(), None, "topology",
+         "set by `hora.run`: the store's secret, hex", shown_default=""),
     Knob("HORA_IFACE", Text(), None, "topology",
          "comma-separated interfaces; the rank binds and advertises the address of the first one its host has "
          "(`horarun --network-interfaces`)", ("HOROVOD_GLOO_IFACE",), "iface", shown_default=""),

@@ -173,8 +173,12 @@ def run_task(exchange: _Exchange, rank: int) -> int:
 
 
 def _run_from_store(env: Mapping[str, str], rank: int) -> int:
-    addr = env.get("HORA_RUN_STORE_ADDR") or env.get("HORA_RENDEZVOUS_ADDR")
-    port, secret = env.get("HORA_RUN_STORE_PORT"), env.get("HORA_RUN_SECRET")
+    try:
+        addr = knobs.read("HORA_RUN_STORE_ADDR", env) or knobs.read("HORA_RENDEZVOUS_ADDR", env)
+        port, secret = knobs.read("HORA_RUN_STORE_PORT", env), knobs.read("HORA_RUN_SECRET", env)
+    except ValueError as exc:
+        print(f"hora.run: rank {rank}: {exc}", file=sys.stderr)
+        return 2
     if not addr or not port or not secret:
         print(
             f"hora.run: rank {rank}: HORA_RUN_STORE_PORT, HORA_RUN_SECRET and the store's address are not all set "
