@@ -63,3 +63,11 @@ def test_bad_values_name_the_variable_and_what_is_accepted(env, fragment):
     assert fragment in str(info.value)
     if "HORA_SECRET" in env:
         assert env["HORA_SECRET"] not in str(info.value) or len(env["HORA_SECRET"]) < 3
+
+
+def test_horovods_cpu_operations_name_hora_transports() -> None:
+    assert Config.from_env({"HOROVOD_CPU_OPERATIONS": "gloo"}).transport == "builtin"
+    assert Config.from_env({"HOROVOD_CPU_OPERATIONS": "MPI"}).transport == "mpi"
+    assert Config.from_env({"HOROVOD_CPU_OPERATIONS": "mpi", "HORA_TRANSPORT": "builtin"}).transport == "builtin"
+    with pytest.raises(ValueError, match=r"HOROVOD_CPU_OPERATIONS='ccl' is not valid: expected one of builtin, mpi"):
+        Config.from_env({"HOROVOD_CPU_OPERATIONS": "ccl"})

@@ -113,18 +113,26 @@ class Boolean:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One of ``choices``, in any case; the value is the declared spelling."""
+    """One of ``choices`` (or a synonym's choice), in any case; the value is the declared spelling.
+
+    ``synonyms`` maps other spellings (an alias's, such as Horovod's ``gloo``) to choices.
+    """
 
     choices: tuple[str, ...]
     yaml_type: type = str
+    synonyms: tuple[tuple[str, str], ...] = ()
 
     @property
     def accepted(self) -> str:
-        return "one of " + ", ".join(self.choices)
+        also = "".join(f", {word} (= {choice})" for word, choice in self.synonyms)
+        return "one of " + ", ".join(self.choices) + also
 
     def check(self, value: Any) -> str:
         for choice in self.choices:
             if str(value).upper() == choice.upper():
+                return choice
+        for word, choice in self.synonyms:
+            if str(value).upper() == word.upper():
                 return choice
         raise ValueError(self.accepted)
 
@@ -407,9 +415,10 @@ KNOBS: tuple[Knob, ...] = (
          options=(Option(("--autotune-gaussian-process-noise",), "noise in [0, 1]", "X"),),
          yaml="autotune.gaussian_process_noise"),
     # data plane
-    Knob("HORA_TRANSPORT", Choice(("builtin", "mpi")), "builtin", "data plane",
+    Knob("HORA_TRANSPORT", Choice(("builtin", "mpi"), synonyms=(("gloo", "builtin"),)), "builtin", "data plane",
          "`builtin`: hora's shared memory and TCP; `mpi`: collectives through mpi4py, for jobs started by "
-         "`mpirun` (`horarun --mpi` sets it)", field="transport"),
+         "`mpirun` (`horarun --mpi` sets it). Horovod's `HOROVOD_CPU_OPERATIONS` names them `gloo` and `mpi`",
+         ("HOROVOD_CPU_OPERATIONS",), "transport"),
     Knob("HORA_SHARED_MEMORY", Boolean(), True, "data plane",
          "ranks on one machine move data through shared memory; 0 forces TCP", field="shared_memory"),
     Knob("HORA_SHM_STAGING_MB", Integer(1, 4096), None, "data plane",
