@@ -613,7 +613,7 @@ class Engine:
         control.absorb(events)
         endings.note_lingering(control)
         if self._stop_requested and control.leaving_since is None:
-            if self._leaving_lost and control.coordinator is not None:
+            if self._leaving_lost and control.coordinator is not None and control.links:  # others to tell
                 raise JobFailed(f"rank {self.rank} on host {control.hostname} {self._leaving_how}")
             endings.begin_leaving(control, self._leaving_how)
             if control.coordinator is None:
