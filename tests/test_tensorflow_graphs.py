@@ -73,9 +73,20 @@ def _grads(tf: Any, hvd: Any, inputs: list[Any], tape: Any = None) -> list[Any]:
     return list(tape.gradient(loss, targets) if tape is not None else tf.gradients(loss, targets))
 
 
-def graphs_job() -> list[str]:
+def _delayed(tf: Any, rng: np.random.Generator, a: np.ndarray) -> Any:
+    """``a``, after a local sleep that differs per rank and per run (``rng`` is the rank's)."""
     import time
 
+    def sleep(t: Any) -> Any:
+        time.sleep(float(rng.uniform(0.0, 0.004)))
+        return t
+
+    out = tf.py_function(sleep, [tf.constant(a)], tf.float32)
+    out.set_shape(a.shape)
+    return out
+
+
+def graphs_job() -> list[str]:
     tf, hvd = start()
     c = Checks()
     me, n = hvd.rank(), hvd.size()
@@ -92,15 +103,7 @@ def graphs_job() -> list[str]:
     c.close("reference broadcast", want[3], _values(3, n - 1, n))
 
     def delayed(a: np.ndarray) -> Any:
-        """``a``, after a local sleep that differs per rank and per run."""
-
-        def sleep(t: Any) -> Any:
-            time.sleep(float(rng.uniform(0.0, 0.004)))
-            return t
-
-        out = tf.py_function(sleep, [tf.constant(a)], tf.float32)
-        out.set_shape(a.shape)
-        return out
+        return _delayed(tf, rng, a)
 
     def check(mode: str, run: int, got: list[Any], grads: list[Any]) -> None:
         for i, (g, w) in enumerate(zip(got, want)):
@@ -158,7 +161,6 @@ def bound_rank_default_session_job(keep_one_thread: bool) -> list[str]:
     """The graph's collectives in a Session with TensorFlow's default threads, in a rank
     bound to one CPU as mpirun binds it (TensorFlow's pool then has one thread)."""
     import os
-    import time
 
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[int(os.environ["HORA_RANK"]) % len(cpus)]})
@@ -176,18 +178,9 @@ def bound_rank_default_session_job(keep_one_thread: bool) -> list[str]:
     arrays = [_values(i, me, n) for i in range(9)]
     want = [t.numpy() for t in _build(tf, hvd, [tf.constant(a) for a in arrays])]
 
-    def delayed(a: np.ndarray) -> Any:
-        def sleep(t: Any) -> Any:
-            time.sleep(float(rng.uniform(0.0, 0.004)))
-            return t
-
-        out = tf.py_function(sleep, [tf.constant(a)], tf.float32)
-        out.set_shape(a.shape)
-        return out
-
     graph = tf.Graph()
     with graph.as_default():
-        outs = _build(tf, hvd, [delayed(a) for a in arrays])
+        outs = _build(tf, hvd, [_delayed(tf, rng, a) for a in arrays])
         with tf.compat.v1.Session(graph=graph) as session:  # TensorFlow's default threads
             for run in range(SESSION_RUNS):
                 for i, (got, w) in enumerate(zip(session.run(outs), want)):

@@ -129,10 +129,7 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
                 "sub-communicator to run a job over its ranks"
             )
         if any(ps.ranks is None for ps in sets) and (mpi_world is None or mpi_comm.world_comm(config) is None):
-            raise NotImplementedError(
-                "Process sets defined by MPI communicators need hvd.init(comm=<an mpi4py communicator>) "
-                "(the job's, such as MPI.COMM_WORLD) in a job MPI started (mpirun)"
-            )
+            raise NotImplementedError(_BY_COMM_NEEDS)
         dynamic = config.dynamic_process_sets or process_sets == "dynamic"
         logs.configure(config.log_level, config.log_hide_time)
         ignored = config.extras.unsupported()
@@ -178,6 +175,12 @@ def init(comm: Sequence[int] | Any | None = None, process_sets: Sequence[Process
         _bind_listed(runtime, sets)
 
 
+_BY_COMM_NEEDS = (
+    "Process sets defined by MPI communicators need hvd.init(comm=<an mpi4py communicator>) "
+    "(the job's, such as MPI.COMM_WORLD) in a job MPI started (mpirun)"
+)
+
+
 def _listed_sets(process_sets: Sequence[ProcessSet] | str | None) -> list[ProcessSet]:
     """The ``ProcessSet`` objects ``init`` was given, the global set left out.
 
@@ -219,13 +222,15 @@ def _bind_listed(runtime: Runtime, sets: list[ProcessSet]) -> None:
         ValueError: a set no registration holds, or one that repeats an earlier entry
             or the global set: as Horovod, that object is left unregistered (the
             others stay bound, hora stays up) and the first such entry is named.
+        NotImplementedError: a communicator-defined set in a job MPI does not describe.
     """
     seen = {0}
     duplicate: tuple[int, ProcessSet] | None = None
     for index, process_set in enumerate(sets):
         if process_set.ranks is None:
             world = mpi_comm.world_comm(runtime.config)
-            assert world is not None  # init() refused communicator-defined sets without one
+            if world is None:
+                raise NotImplementedError(_BY_COMM_NEEDS)
             process_set.ranks = list(mpi_comm.ranks_of(process_set.mpi_comm, world))
         set_id = runtime.engine.sets.find(tuple(process_set.ranks))
         if set_id is None:
