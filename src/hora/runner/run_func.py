@@ -22,7 +22,7 @@ from typing import Any
 
 from hora.config import knobs
 from hora.runner.elastic.settings import ElasticSettings
-from hora.runner.hosts import SlotInfo, is_local_host
+from hora.runner.hosts import SlotInfo, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.job import Job, JobResult
 from hora.runner.launch import check, prepare
 from hora.runner.mpi_launch import launch_mpi
@@ -211,11 +211,15 @@ def run(
 
 
 def _store_bind(hosts: str | None, hostfile: str | None, elastic: ElasticSettings) -> str:
-    """Where the store listens: loopback when every rank runs here, as horarun's rendezvous."""
-    if hostfile is not None or elastic.host_discovery_script is not None:
-        return ANY
-    names = [entry.strip().rsplit(":", 1)[0] for entry in (hosts or "localhost").split(",") if entry.strip()]
-    return LOOPBACK if all(is_local_host(name) for name in names) else ANY
+    """Where the store listens: loopback when every rank runs here, as horarun's rendezvous.
+
+    Raises:
+        ValueError: the hosts are malformed (as ``horarun`` says it).
+    """
+    if elastic.host_discovery_script is not None:
+        return ANY  # the script may name other hosts later
+    listed = parse_hostfile(hostfile) if hostfile is not None else parse_hosts(hosts or "localhost")
+    return LOOPBACK if all(is_local_host(host.name) for host in listed) else ANY
 
 
 def _store_address(slots: Sequence[SlotInfo]) -> str:
