@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import OPENMPI_ENV, PY, clean_env, run
+from test_launch import OPENMPI_ENV, PY, clean_env, free_port, run
 from test_launch import system as system  # noqa: F401 - the fixture that installs Open MPI and mpi4py
 from test_mpi_transport import records
 
@@ -156,10 +156,11 @@ UNINITIALIZED = textwrap.dedent(
     import json
     import mpi4py
     mpi4py.rc.initialize = False  # as Horovod's tests: the library initialises MPI
+    from mpi4py import MPI  # imported, not initialised: hora must not call it then
     import numpy as np
     import hora.numpy as hvd
 
-    hvd.init()
+    hvd.init(process_sets=[hvd.ProcessSet([0])])
     total = hvd.allreduce(np.array([hvd.rank()]), op=hvd.Sum, name="total").tolist()
     print(json.dumps({"rank": hvd.rank(), "total": total}), flush=True)
     hvd.shutdown()
@@ -167,14 +168,18 @@ UNINITIALIZED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("transport", ["builtin", "mpi"])
+@pytest.mark.parametrize("transport", ["builtin", "mpi", "builtin, secret and port given"])
 @pytest.mark.timeout(120)
 def test_mpi_left_uninitialized_by_the_program(system: None, tmp_path: Path, transport: str) -> None:
     # hora initialises MPI itself, as Horovod does, and finalises it at exit; before, the
-    # secret's broadcast called MPI before MPI_Init and Open MPI aborted every rank.
+    # secret's broadcast called MPI before MPI_Init and Open MPI aborted every rank. With the
+    # secret and port given nothing needs MPI, and hora must not touch it (registering a
+    # process set once asked MPI's world for its rank, and Open MPI aborted the rank).
     job = tmp_path / "job.py"
     job.write_text(UNINITIALIZED)
     argv = ["mpirun.openmpi", "--oversubscribe", "--allow-run-as-root", "-np", "3", PY, str(job)]
-    result = run(argv, clean_env(HORA_TRANSPORT=transport, **OPENMPI_ENV), tmp_path, timeout=100)
+    given = {"HORA_SECRET": "ab" * 32, "HORA_RENDEZVOUS_PORT": str(free_port())} if "given" in transport else {}
+    env = clean_env(HORA_TRANSPORT=transport.split(",")[0], **given, **OPENMPI_ENV)
+    result = run(argv, env, tmp_path, timeout=100)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [seen["total"] for seen in records(result.stdout, 3)] == [[3]] * 3

@@ -203,9 +203,8 @@ def _new_groups(runtime: Runtime, sets: list[ProcessSet]) -> list[tuple[int, ...
     and none registered already (the global set is). Every rank computes the same list:
     the communicator-defined groups are gathered over MPI, and every rank is given the
     same rank-defined sets."""
-    world = mpi_comm.world_comm(runtime.config)
     by_comm = [ps.mpi_comm for ps in sets if ps.ranks is None]
-    groups = mpi_comm.gather_sets(by_comm, world) if by_comm else []
+    groups = mpi_comm.gather_sets(by_comm, mpi_comm.world_comm(runtime.config)) if by_comm else []
     groups += [tuple(ps.ranks) for ps in sets if ps.ranks is not None]
     fresh: list[tuple[int, ...]] = []
     for ranks in groups:

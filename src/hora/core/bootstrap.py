@@ -211,7 +211,7 @@ def advertised_address(config: Config) -> str:
 def _mpi_bootstrap(config: Config) -> tuple[str, int, bytes, RendezvousServer | None]:
     """Rank 0 fills in what the environment left open and broadcasts it through MPI."""
     topology = config.topology
-    MPI = initialized_mpi("hora.init, to share the job secret through MPI,")  # Config checked mpi4py is there
+    MPI = initialized_mpi("hora.init (sharing the job secret through MPI)")  # Config checked mpi4py is there
     comm = MPI.COMM_WORLD if config.mpi_comm is None else config.mpi_comm  # init(comm=...)'s, if any
     if comm.Get_size() != topology.size or comm.Get_rank() != topology.rank:
         raise HoraInternalError(

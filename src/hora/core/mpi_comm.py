@@ -41,8 +41,15 @@ def _mpi() -> Any:
 
 
 def world_matches(config: Config) -> bool:
-    """Whether ``MPI.COMM_WORLD`` is this job's world (started by mpirun, rank for rank)."""
-    world = _mpi().COMM_WORLD
+    """Whether ``MPI.COMM_WORLD`` is this job's world (started by mpirun, rank for rank).
+
+    False while MPI is not initialised (``mpi4py.rc.initialize = False``): a call on
+    ``COMM_WORLD`` then would make Open MPI abort the process.
+    """
+    mpi = _mpi()
+    if not mpi.Is_initialized() or mpi.Is_finalized():
+        return False
+    world = mpi.COMM_WORLD
     return (world.Get_rank(), world.Get_size()) == (config.topology.rank, config.topology.size)
 
 

@@ -353,10 +353,11 @@ def provide_session_threads(environ: MutableMapping[str, str]) -> None:
     two independent collectives in one graph could each hold a rank's only thread,
     different ones on different ranks, and wait for each other for ever (Horovod's own
     ``test_horovod_allgather_fused_cpu`` did). Sessions and eager execution share one
-    pool, sized when TensorFlow starts its runtime; so, before that, and unless the
-    program chose (``TF_NUM_INTEROP_THREADS``, ``tf.config.threading``, a Session's own
-    ``inter_op_parallelism_threads``), hora asks for ``SESSION_THREADS`` threads or the
-    CPUs, whichever is more. Extra threads sleep until work comes.
+    pool, sized when TensorFlow starts its runtime; so, before that, and unless
+    ``TF_NUM_INTEROP_THREADS`` is set, hora sets it to ``SESSION_THREADS`` or the CPUs,
+    whichever is more. A number the program gives TensorFlow itself
+    (``tf.config.threading``, a Session's ``inter_op_parallelism_threads``) still wins
+    over the variable. Extra threads sleep until work comes.
 
     Args:
         environ: the process's environment (``os.environ``), where TensorFlow reads it.
@@ -372,9 +373,9 @@ def provide_session_threads(environ: MutableMapping[str, str]) -> None:
 
 SESSION_WAIT_MESSAGE = (
     "hora.tensorflow: collective {key!r} has waited {seconds:g} s in a TF1 Session. While it waits it holds "
-    "one of the Session's inter-op threads (as many as the CPUs by default): when a graph has more independent "
-    "collectives ready at once than the Session has threads, the ranks can each hold all their threads on "
-    "different collectives and wait for each other for ever. Give the Session more threads "
+    "one of the Session's inter-op threads (at least 64 unless the program chose a number): when a graph has "
+    "more independent collectives ready at once than the Session has threads, the ranks can each hold all their "
+    "threads on different collectives and wait for each other for ever. Give the Session more threads "
     "(ConfigProto(inter_op_parallelism_threads=N), or TF_NUM_INTEROP_THREADS=N before the first Session, N at "
     "least the collectives that can run at once), or group the collectives (grouped_allreduce, "
     "grouped_allgather)."
