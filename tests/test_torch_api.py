@@ -87,8 +87,11 @@ def test_sync_batch_norm_signature():
 
 
 def test_exports():
-    assert not hasattr(hvd, "is_homogeneous")  # as in Horovod, only in mpi_ops
+    assert not hasattr(hvd, "is_homogeneous") and not hasattr(hvd, "gpu_available")  # as in Horovod: mpi_ops
     assert callable(hvd.mpi_ops.is_homogeneous)
+    # The framework's own answer; False for a framework without a check or not installed.
+    assert hvd.mpi_ops.gpu_available("torch") is torch.cuda.is_available()
+    assert hvd.mpi_ops.gpu_available("mxnet") is False and hvd.mpi_ops.gpu_available("no_such_framework") is False
     assert callable(hvd.elastic.run) and hvd.elastic.TorchState and hvd.elastic.ElasticSampler  # as in Horovod
     for name in ["init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
                  "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",

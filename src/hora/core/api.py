@@ -455,6 +455,39 @@ def rocm_built(verbose: bool = False) -> bool:
     return False
 
 
+def _framework_sees_gpu(framework: str) -> bool:
+    """Whether ``framework`` (imported now) sees a GPU; False for one hora cannot ask."""
+    if framework not in ("torch", "tensorflow"):
+        return False  # Horovod's MXNet extension has no GPU check either
+    module: Any = importlib.import_module(framework)
+    if framework == "torch":
+        return bool(module.cuda.is_available())
+    return bool(module.config.list_physical_devices("GPU"))
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's check that its extension for ``ext_base_name`` runs with a GPU.
+
+    hora has no GPU data plane (GPU tensors are staged through host memory), so this asks
+    the framework itself, as Horovod's check does: ``"torch"``: CUDA is available;
+    ``"tensorflow"``: TensorFlow lists a GPU; anything else (``"mxnet"``), or a framework
+    that is not installed: False.
+
+    Args:
+        ext_base_name: ``"tensorflow"``, ``"torch"`` or ``"mxnet"``.
+        verbose: print what was checked and the answer.
+    """
+    try:
+        available = _framework_sees_gpu(ext_base_name)
+    except ImportError as exc:
+        available = False
+        if verbose:
+            print(f"Extension {ext_base_name} cannot be imported: {exc}")
+    if verbose:
+        print(f"Extension {ext_base_name} {'was' if available else 'was NOT'} running with GPU.")
+    return available
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts recording a timeline (a Chrome trace) of every collective into ``file_path``.
 

@@ -27,7 +27,7 @@ import tensorflow as tf  # type: ignore[import-untyped]
 
 from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.core.api import is_homogeneous
+from hora.core.api import gpu_available, is_homogeneous
 from hora.compression import Compressor
 from hora.tensorflow import bridge as _bridge
 from hora.tensorflow import elastic
@@ -156,6 +156,7 @@ __all__ = [
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
+    "gpu_available",
     "is_homogeneous",
     "join",
     "local_rank_op",

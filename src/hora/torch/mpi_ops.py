@@ -1,13 +1,13 @@
 """Everything ``horovod.torch.mpi_ops`` offers: the basics, the op constants and the collectives.
 
-``hora.torch`` re-exports all of it except ``is_homogeneous``, which Horovod keeps
+``hora.torch`` re-exports all of it except ``is_homogeneous`` and ``gpu_available``, which Horovod keeps
 here only.
 """
 
 from hora.core import api as _api
 from hora.core import basics as _basics
 from hora.core.basics import *  # noqa: F403 - Horovod's basics, declared once
-from hora.core.api import is_homogeneous
+from hora.core.api import gpu_available, is_homogeneous
 from hora.torch.autograd import (
     HorovodAllgather,
     HorovodAllreduce,
@@ -83,6 +83,7 @@ __all__ = [
     "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
+    "gpu_available",
     "is_homogeneous",
     "join",
     "poll",

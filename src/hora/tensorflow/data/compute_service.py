@@ -1,0 +1,232 @@
+"""Horovod's TensorFlow data service API: the config, the dispatcher context and the workers.
+
+A compute job (``hora.tensorflow.data.compute_worker``) provides ``dispatchers`` tf.data
+dispatchers, each served by ``workers_per_dispatcher`` tf.data workers, and writes a
+``TfDataServiceConfig`` (the compute service's addresses and key) to a file that the
+training job reads. Dispatchers run on the compute side (default) or, with
+``dispatcher_side="training"``, inside the training ranks (``tf_data_service``).
+
+Where hora differs from Horovod 0.28.1, on purpose: TensorFlow names its servers
+``localhost`` (a dispatcher's target is ``grpc://localhost:<port>``, a worker registers as
+``localhost:<port>``), which other hosts cannot reach; hora advertises both at the address
+the host uses to reach the compute service, so a compute job and a training job on
+different hosts work. On one host the two are the same. Importing this module adds
+``send_to_data_service`` to ``tf.data.Dataset``, as Horovod's does.
+"""
+
+from __future__ import annotations
+
+import binascii
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf  # type: ignore[import-untyped]
+
+import hora.tensorflow as hvd
+from hora.core.compute_service import ComputeClient
+
+log = logging.getLogger(__name__)
+
+_WAIT_LOG_SECONDS = 30.0  # how often read(wait_for_file_creation=True) says it still waits
+
+
+@dataclasses.dataclass(frozen=True)
+class TfDataServiceConfig:
+    """Where a training job finds a compute job's data service.
+
+    Attributes:
+        dispatchers: how many dispatchers (1, or one per training rank).
+        workers_per_dispatcher: how many tf.data workers serve each dispatcher.
+        dispatcher_side: ``"compute"`` or ``"training"``: who runs the dispatchers.
+        addresses: the compute service's addresses, ``{interface: [(address, port)]}``.
+        key: the compute service's key.
+        timeout: seconds to wait for dispatchers and workers to register.
+    """
+
+    dispatchers: int
+    workers_per_dispatcher: int
+    dispatcher_side: str
+    addresses: Mapping[str, Sequence[tuple[str, int]]]
+    key: bytes
+    timeout: int = 60
+
+    def compute_client(self, verbose: int = 1) -> ComputeClient:
+        """A client of the compute service (``ConnectionError`` when it cannot be reached)."""
+        return ComputeClient(self.addresses, self.key, verbose=verbose)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-compatible values: the key in hex."""
+        config = dict(self.__dict__)
+        config["key"] = binascii.hexlify(self.key).decode()
+        return config
+
+    @staticmethod
+    def from_dict(config: Mapping[str, Any]) -> TfDataServiceConfig:
+        """The config of ``to_dict``'s values."""
+        return TfDataServiceConfig(
+            dispatchers=config["dispatchers"],
+            workers_per_dispatcher=config["workers_per_dispatcher"],
+            dispatcher_side=config["dispatcher_side"],
+            addresses={
+                iface: [(str(address[0]), int(address[1])) for address in entries]
+                for iface, entries in config["addresses"].items()
+            },
+            key=binascii.unhexlify(config["key"]),
+            timeout=config.get("timeout", 60),
+        )
+
+    def write(self, filename: str) -> None:
+        """Writes the config to ``filename`` at once: into a temporary file beside it, then renamed."""
+        path = Path(filename)
+        with tempfile.NamedTemporaryFile("w", dir=str(path.parent), prefix=path.name, delete=False) as file:
+            json.dump(self.to_dict(), file)
+        os.rename(file.name, filename)
+        log.info("wrote the data service config to %s", filename)
+
+    @staticmethod
+    def read(filename: str, wait_for_file_creation: bool = False) -> TfDataServiceConfig:
+        """Reads a config ``write`` wrote, waiting for the file when asked to (and saying so
+        every 30 s: the compute job writes it once its service runs)."""
+        since = last_said = time.monotonic()
+        while wait_for_file_creation and not os.path.exists(filename):
+            if time.monotonic() - last_said >= _WAIT_LOG_SECONDS:
+                last_said = time.monotonic()
+                log.warning("still waiting for %s after %.0f s: is the compute job running?", filename, last_said - since)
+            time.sleep(0.2)
+        with open(filename) as file:
+            return TfDataServiceConfig.from_dict(json.load(file))
+
+
+def _reachable(target: str, host: str) -> str:
+    """``target`` (``grpc://localhost:<port>`` or ``localhost:<port>``) at ``host`` instead."""
+    return target.replace("localhost", host, 1)
+
+
+def _stop(server: Any, what: str) -> None:
+    # TensorFlow offers no public way to stop its data service servers.
+    server._stop()
+    server.join()
+    log.info("%s shut down", what)
+
+
+@contextmanager
+def tf_data_service(compute_config: TfDataServiceConfig, rank: int) -> Iterator[str]:
+    """Yields the address of the dispatcher that serves training rank ``rank``.
+
+    With ``dispatcher_side="training"`` the training ranks run the dispatchers (rank 0 the
+    only one, or every rank its own) for as long as the block runs. Before yielding, waits
+    until the dispatcher and all its workers registered.
+
+    Raises:
+        TimeoutError: they did not register within ``compute_config.timeout`` seconds.
+        ConnectionError: the compute service cannot be reached.
+    """
+    compute = compute_config.compute_client(verbose=2)
+    dispatcher_server = None
+    if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
+        dispatcher_server = tf.data.experimental.service.DispatchServer()
+        address = _reachable(dispatcher_server.target, compute.local_address())
+        compute.register_dispatcher(rank, address)
+        log.info("registered dispatcher %d at %s", rank, address)
+    dispatcher_id = rank if compute_config.dispatchers > 1 else 0
+    try:
+        dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_id, compute_config.timeout)
+        compute.wait_for_dispatcher_worker_registration(dispatcher_id, compute_config.timeout)
+        yield dispatcher_address
+    finally:
+        if dispatcher_server is not None:
+            _stop(dispatcher_server, "dispatcher")
+
+
+def send_to_data_service(
+    dataset: tf.data.Dataset,
+    compute_config: TfDataServiceConfig,
+    rank: int,
+    size: int | None = None,
+    processing_mode: str = "distributed_epoch",
+    reuse_dataset: bool = False,
+    round_robin: bool = False,
+) -> tf.data.Dataset:
+    """``dataset`` processed by the compute job's data service: what was applied to it so far
+    runs on the workers of rank ``rank``'s dispatcher (``tf.data.experimental.service.distribute``).
+
+    Args:
+        dataset: the pipeline to move.
+        compute_config: the compute job's config.
+        rank: this training rank.
+        size: the training job's size (for ``round_robin``).
+        processing_mode: tf.data's processing mode.
+        reuse_dataset: one dispatcher: the training ranks share one job of it (first come,
+            first served), instead of each reading the whole dataset.
+        round_robin: with ``reuse_dataset``: the ranks take the elements in turn.
+
+    Raises:
+        RuntimeError: the dispatchers run on the training side (use ``tf_data_service``).
+    """
+    if compute_config.dispatcher_side == "training":
+        raise RuntimeError("training side dispatcher not supported, use tf_data_service context manager instead")
+    with tf_data_service(compute_config, rank) as dispatcher_address:
+        return dataset.apply(
+            tf.data.experimental.service.distribute(
+                processing_mode=processing_mode,
+                service=dispatcher_address,
+                job_name="job" if reuse_dataset else None,
+                consumer_index=rank if reuse_dataset and round_robin else None,
+                num_consumers=size if reuse_dataset and round_robin else None,
+            )
+        )
+
+
+tf.data.Dataset.send_to_data_service = send_to_data_service
+
+
+def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
+    """Runs this rank's part of the compute job until the training job asks it to shut down.
+
+    Rank ``r`` runs a tf.data worker for dispatcher ``r // workers_per_dispatcher``; with
+    compute-side dispatchers the first rank of each group also runs that dispatcher.
+
+    Raises:
+        TimeoutError: its dispatcher did not register within ``compute_config.timeout`` seconds.
+        ConnectionError: the compute service cannot be reached.
+    """
+    hvd.init()
+    index = hvd.rank()
+    per_dispatcher = compute_config.workers_per_dispatcher
+    dispatcher_index = index // per_dispatcher
+    compute = compute_config.compute_client(verbose=2)
+    host = compute.local_address()
+
+    dispatcher_server = None
+    if compute_config.dispatcher_side == "compute" and index % per_dispatcher == 0:
+        dispatcher_server = tf.data.experimental.service.DispatchServer()
+        address = _reachable(dispatcher_server.target, host)
+        compute.register_dispatcher(dispatcher_index, address)
+        log.info("registered dispatcher %d at %s", dispatcher_index, address)
+    try:
+        dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_index, compute_config.timeout)
+        worker_config = tf.data.experimental.service.WorkerConfig(
+            dispatcher_address=dispatcher_address.split("://")[1],
+            worker_address=f"{host}:%port%",
+            heartbeat_interval_ms=1000,
+            dispatcher_timeout_ms=compute_config.timeout * 1000,
+        )
+        worker_server = tf.data.experimental.service.WorkerServer(worker_config)
+        worker_server.start()
+        try:
+            compute.register_worker_for_dispatcher(dispatcher_index, index)
+            log.info("worker %d registered for dispatcher %d", index, dispatcher_index)
+            compute.wait_for_shutdown()
+        finally:
+            _stop(worker_server, "worker")
+    finally:
+        if dispatcher_server is not None:
+            _stop(dispatcher_server, "dispatcher")

@@ -1,0 +1,123 @@
+"""TensorFlow's data service run by hora jobs (``hora.tensorflow.data``), for real.
+
+A compute job (``horarun -np 2 python -m hora.tensorflow.data.compute_worker CONFIG``)
+and a training job (``horarun -np 2 examples/tensorflow/data_service_digits.py CONFIG``)
+run side by side, as Horovod's documentation starts them: the training job reads the
+config the compute job writes, trains on batches its pipeline's workers made, and its
+rank 0 shuts the compute job down, so both end by themselves. Every layout Horovod
+documents: one dispatcher or one per training rank, on the compute or the training side,
+the dataset shared round robin. Then what must fail fast: a compute job whose size the
+dispatchers do not divide, and a training job whose compute job has gone (an error
+naming the service, not a wait).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_tensorflow_ops import TF_ENV
+
+pytestmark = pytest.mark.framework
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = "examples/tensorflow/data_service_digits.py"
+
+
+def _horarun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hora.runner", "-np", "2", sys.executable, *args]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT / "src"), **TF_ENV)
+
+
+def _compute_job(config: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        _horarun("-m", "hora.tensorflow.data.compute_worker", str(config), "--timeout", "60", *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+
+
+def _training_job(config: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _horarun(EXAMPLE, str(config), "--epochs", "6", *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=_env(),
+    )
+
+
+def _ended(compute: subprocess.Popen[str], timeout: float = 60) -> str:
+    """The compute job's output once it ended; it must end by itself, with exit status 0."""
+    try:
+        out, _ = compute.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        compute.kill()
+        out, _ = compute.communicate()
+        pytest.fail(f"the compute job did not end after the training job shut it down:\n{out[-3000:]}")
+    assert compute.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("compute_args", "training_args"),
+    [
+        ((), ()),
+        (("--dispatchers", "2"), ()),
+        (("--dispatcher-side", "training"), ()),
+        ((), ("--reuse-dataset", "--round-robin")),
+    ],
+    ids=["one-dispatcher", "a-dispatcher-per-rank", "training-side", "round-robin"],
+)
+def test_a_training_job_trains_on_a_compute_job_and_ends_it(
+    tmp_path: Path, compute_args: tuple[str, ...], training_args: tuple[str, ...]
+) -> None:
+    config = tmp_path / "compute.json"
+    compute = _compute_job(config, *compute_args)
+    try:
+        training = _training_job(config, *training_args)
+    finally:
+        out = _ended(compute)
+    assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
+    final = re.search(r"\[0\]<stdout>:final test accuracy ([0-9.]+) on 2 ranks", training.stdout)
+    assert final and float(final.group(1)) >= 0.9, training.stdout[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_dispatchers_that_do_not_divide_the_compute_job_fail_every_rank(tmp_path: Path) -> None:
+    compute = _compute_job(tmp_path / "compute.json", "--dispatchers", "3")
+    out, _ = compute.communicate(timeout=100)
+    assert compute.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"\[{rank}\]<stderr>:.*Number of processes \(2\) must be a multiple of number of "
+                         r"dispatchers \(3\)", out), out[-3000:]  # fmt: skip
+    assert not (tmp_path / "compute.json").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_training_job_whose_compute_job_has_gone_fails_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "compute.json"
+    compute = _compute_job(config)
+    try:
+        first = _training_job(config, "--epochs", "1")
+    finally:
+        _ended(compute)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # The config file stays behind; the service it names has gone.
+    second = _training_job(config, "--epochs", "1", timeout=120)
+    assert second.returncode != 0
+    assert "ConnectionError: Compute service" in second.stdout + second.stderr, second.stdout[-3000:]
