@@ -28,3 +28,32 @@ def test_every_binding_offers_the_basics(module_name: str) -> None:
 @pytest.mark.framework
 def test_tensorflow_offers_the_basics() -> None:
     _check("hora.tensorflow")
+
+
+def test_horovod_common_modules_hold_the_same_objects() -> None:
+    """``from horovod.common.<module> import ...`` lines work with ``hora`` for ``horovod``."""
+    from hora import elastic, errors
+    from hora.common import elastic as common_elastic
+    from hora.common import exceptions, process_sets
+
+    assert exceptions.HorovodInternalError is errors.HoraInternalError is basics.HorovodInternalError
+    assert exceptions.HostsUpdatedInterrupt is basics.HostsUpdatedInterrupt
+    assert exceptions.HorovodVersionMismatchError is errors.HoraVersionMismatchError
+    assert process_sets.ProcessSet is basics.ProcessSet and process_sets.global_process_set is basics.global_process_set
+    assert process_sets.add_process_set is basics.add_process_set
+    assert process_sets.remove_process_set is basics.remove_process_set
+    assert (common_elastic.State, common_elastic.ObjectState, common_elastic.run_fn) == (
+        elastic.State, elastic.ObjectState, elastic.run_fn,
+    )  # fmt: skip
+    for module in (exceptions, process_sets, common_elastic):
+        assert all(hasattr(module, name) for name in module.__all__)
+
+
+def test_torch_elastic_has_horovods_submodules() -> None:
+    """``horovod.torch.elastic.sampler`` and ``.state`` (Horovod's docs import the sampler from there)."""
+    import hora.torch as hvd
+    from hora.torch.elastic.sampler import ElasticSampler
+    from hora.torch.elastic.state import ModelStateHandler, TorchState, get_handler_registry
+
+    assert hvd.elastic.ElasticSampler is ElasticSampler and hvd.elastic.TorchState is TorchState
+    assert (ModelStateHandler in [handler for _, handler in get_handler_registry()])

@@ -20,6 +20,8 @@ import hora.elastic as elastic
 import hora.numpy as hvd
 import hora.torch as thvd
 import hora.torch.elastic as telastic
+import hora.torch.elastic.sampler as tsampler
+import hora.torch.elastic.state as tstate
 from hora.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 from harness import run_ranks
 
@@ -272,8 +274,8 @@ def test_numpy_binding_exposes_elastic(fresh) -> None:
 def world(monkeypatch):
     """Sets the rank and size the sampler sees: world(rank, size)."""
     current = {"rank": 0, "size": 1}
-    monkeypatch.setattr(telastic, "rank", lambda: current["rank"])
-    monkeypatch.setattr(telastic, "size", lambda: current["size"])
+    monkeypatch.setattr(tsampler, "rank", lambda: current["rank"])
+    monkeypatch.setattr(tsampler, "size", lambda: current["size"])
 
     def set_world(rank: int, size: int) -> None:
         current.update(rank=rank, size=size)
@@ -439,14 +441,14 @@ def test_torch_state_assigning_a_model_saves_it(fresh) -> None:
 
 
 def test_torch_state_uses_the_handler_registry() -> None:
-    registry = telastic.get_handler_registry()
+    registry = tstate.get_handler_registry()
     assert [kind for kind, _ in registry] == [torch.nn.Module, torch.optim.Optimizer, telastic.ElasticSampler]
-    telastic.set_handler_registry([])
+    tstate.set_handler_registry([])
     try:
         state = telastic.TorchState(model=None, lr=0.5)
         assert state._handlers == {} and state.lr == 0.5
     finally:
-        telastic.set_handler_registry(registry)
+        tstate.set_handler_registry(registry)
 
 
 # --- multi-rank --------------------------------------------------------------------
