@@ -234,6 +234,15 @@ def test_the_keras_modules_have_horovods_names() -> None:
         "    missing = [n for n in names if not hasattr(m, n) or n not in m.__all__]\n"
         "    assert not missing, (m.__name__, missing)\n"
         "assert hora.keras.elastic.TensorFlowKerasState is k.elastic.TensorFlowKerasState\n"
+        # horovod.keras's own order: num_groups right after op; no save_weights_only.
+        "import tensorflow as tf\n"
+        "hora.keras.init()\n"
+        "opt = hora.keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), None, '', '', k.Compression.none, False,"
+        " 1.0, k.Average, 2)\n"
+        "assert opt._hora_reducer.groups == 2, vars(opt._hora_reducer)\n"
+        "cb = hora.keras.callbacks.BestModelCheckpoint('val_acc', 0, 'max')\n"
+        "assert cb.mode == 'max' and cb.save_weights_only is False\n"
+        "assert k.callbacks.BestModelCheckpoint('val_acc', 0, True).save_weights_only is True\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110,

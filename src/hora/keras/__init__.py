@@ -1,13 +1,51 @@
 """``import hora.keras as hvd``: Horovod's ``horovod.keras`` API.
 
-Keras 3 *is* ``tf.keras`` on TensorFlow 2.16 and later, so this is the same module as
-``hora.tensorflow.keras`` (with the same choice between Keras 3 and tf_keras through
-``TF_USE_LEGACY_KERAS``). ``DistributedOptimizer`` takes Horovod's ``horovod.keras``
-arguments and the extra ones of ``horovod.tensorflow.keras``.
+Keras 3 *is* ``tf.keras`` on TensorFlow 2.16 and later, so this is ``hora.tensorflow.keras``
+(with the same choice between Keras 3 and tf_keras through ``TF_USE_LEGACY_KERAS``), with
+the two signatures that differ in Horovod kept as ``horovod.keras`` has them:
+``DistributedOptimizer`` takes ``num_groups`` and ``groups`` right after ``op`` (the
+arguments only ``horovod.tensorflow.keras`` has follow them), and
+``callbacks.BestModelCheckpoint`` has no ``save_weights_only``.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from hora.tensorflow.keras import *  # noqa: F403 - the same API
 from hora.tensorflow.keras import __all__ as _all
-from hora.tensorflow.keras import callbacks, elastic
+from hora.tensorflow.keras import elastic
+from hora.collectives.reduce import AVERAGE
+from hora.compression import Compressor
+from hora.core.process_sets import ProcessSet, global_process_set
+import hora.keras.callbacks as callbacks  # type: ignore[no-redef] # replaces the star import's: horovod.keras's own
+from hora.tensorflow import keras as _tf_keras
+from hora.tensorflow.compression import Compression
+
+
+def DistributedOptimizer(  # type: ignore[no-redef] # noqa: N802 - horovod.keras's order, replacing the star import's
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = AVERAGE,
+    num_groups: int = 0,
+    groups: int | Sequence[Sequence[Any]] | None = None,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """``horovod.keras.DistributedOptimizer``: ``hora.tensorflow.keras.DistributedOptimizer``
+    with ``horovod.keras``'s order of parameters (see there for each)."""
+    return _tf_keras.DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
+        backward_passes_per_step, average_aggregated_gradients, num_groups, groups, process_set, scale_local_gradients,
+    )  # fmt: skip
+
 
 __all__ = list(_all)
