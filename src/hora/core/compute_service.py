@@ -27,7 +27,8 @@ Every wait has a timeout and names what it waited for; a client whose service ha
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from hora.transport import auth, netif
 from hora.transport.rendezvous import MAX_WAIT, RendezvousClient, RendezvousTimeout
@@ -36,6 +37,8 @@ from hora.transport.rendezvous_server import RendezvousServer
 log = logging.getLogger(__name__)
 
 Addresses = Mapping[str, Sequence[tuple[str, int]]]  # interface name -> [(address, port)]
+
+T = TypeVar("T")
 
 _LAYOUT = "compute/layout"
 _SHUTDOWN = "compute/shutdown"
@@ -141,38 +144,34 @@ class ComputeClient:
         except OSError as exc:  # hora.errors.AuthenticationError is one
             raise ConnectionError(f"{ComputeService.NAME} at {host}:{port} cannot be reached: {exc}") from exc
 
-    def _wait(self, keys: list[str], timeout: float, what: str) -> list[bytes]:
+    def _request(self, call: Callable[[RendezvousClient], T]) -> T:
+        """``call`` on a connection of its own; a service that has gone is a ``ConnectionError``."""
         client = self._connect()
         try:
-            return client.wait(keys, timeout)
+            return call(client)
+        except RendezvousTimeout:
+            raise
+        except OSError as exc:
+            host, port = self._address
+            raise ConnectionError(f"{ComputeService.NAME} at {host}:{port} went away: {exc}") from exc
+        finally:
+            client.close()
+
+    def _wait(self, keys: list[str], timeout: float, what: str) -> list[bytes]:
+        try:
+            return self._request(lambda client: client.wait(keys, timeout))
         except RendezvousTimeout:
             raise TimeoutError(
                 f"Timed out waiting for {what} after {timeout:g} s. Try to find out what takes "
                 f"so long or increase the timeout."
             ) from None
-        except OSError as exc:
-            host, port = self._address
-            raise ConnectionError(f"{ComputeService.NAME} at {host}:{port} went away: {exc}") from exc
-        finally:
-            client.close()
 
     def _put(self, key: str, value: bytes) -> None:
-        client = self._connect()
-        try:
-            client.put(key, value)
-        except OSError as exc:
-            host, port = self._address
-            raise ConnectionError(f"{ComputeService.NAME} at {host}:{port} went away: {exc}") from exc
-        finally:
-            client.close()
+        self._request(lambda client: client.put(key, value))
 
     def local_address(self) -> str:
         """The address this host uses to reach the service: one the service's other clients can reach."""
-        client = self._connect()
-        try:
-            return client.local_address()
-        finally:
-            client.close()
+        return self._request(lambda client: client.local_address())
 
     def _check_dispatcher(self, dispatcher_id: int) -> None:
         if not 0 <= dispatcher_id < self._dispatchers:

@@ -110,6 +110,19 @@ def _reachable(target: str, host: str) -> str:
     return target.replace("localhost", host, 1)
 
 
+def _start_dispatcher(compute: ComputeClient, dispatcher_id: int, host: str) -> Any:
+    """Starts a tf.data dispatcher and registers it, at ``host``, as ``dispatcher_id``."""
+    server = tf.data.experimental.service.DispatchServer()
+    try:
+        address = _reachable(server.target, host)
+        compute.register_dispatcher(dispatcher_id, address)
+    except BaseException:
+        _stop(server, "dispatcher")
+        raise
+    log.info("registered dispatcher %d at %s", dispatcher_id, address)
+    return server
+
+
 def _stop(server: Any, what: str) -> None:
     # TensorFlow offers no public way to stop its data service servers.
     server._stop()
@@ -131,13 +144,10 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int) -> Iterator[
     """
     compute = compute_config.compute_client(verbose=2)
     dispatcher_server = None
-    if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
-        dispatcher_server = tf.data.experimental.service.DispatchServer()
-        address = _reachable(dispatcher_server.target, compute.local_address())
-        compute.register_dispatcher(rank, address)
-        log.info("registered dispatcher %d at %s", rank, address)
     dispatcher_id = rank if compute_config.dispatchers > 1 else 0
     try:
+        if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
+            dispatcher_server = _start_dispatcher(compute, rank, compute.local_address())
         dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_id, compute_config.timeout)
         compute.wait_for_dispatcher_worker_registration(dispatcher_id, compute_config.timeout)
         yield dispatcher_address
@@ -206,12 +216,9 @@ def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
     host = compute.local_address()
 
     dispatcher_server = None
-    if compute_config.dispatcher_side == "compute" and index % per_dispatcher == 0:
-        dispatcher_server = tf.data.experimental.service.DispatchServer()
-        address = _reachable(dispatcher_server.target, host)
-        compute.register_dispatcher(dispatcher_index, address)
-        log.info("registered dispatcher %d at %s", dispatcher_index, address)
     try:
+        if compute_config.dispatcher_side == "compute" and index % per_dispatcher == 0:
+            dispatcher_server = _start_dispatcher(compute, dispatcher_index, host)
         dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_index, compute_config.timeout)
         worker_config = tf.data.experimental.service.WorkerConfig(
             dispatcher_address=dispatcher_address.split("://")[1],
