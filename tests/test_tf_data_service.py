@@ -8,9 +8,11 @@ rank 0 shuts the compute job down, so both end by themselves. Every layout Horov
 documents: one dispatcher or one per training rank, on the compute or the training side,
 the dataset shared round robin. Then what must fail fast: a compute job whose size the
 dispatchers do not divide, and a training job whose compute job has gone (an error
-naming the service, not a wait). Last, the two jobs on two network-namespace hosts:
-with TensorFlow's ``localhost`` addresses passed on, as Horovod passes them, the training
-job waits for ever (checked by hand: killed at the 200 s timeout); with hora's it trains.
+naming the service, not a wait), or a dispatcher it cannot reach. Last, the two jobs on
+two network-namespace hosts: with TensorFlow's ``localhost`` addresses passed on, as
+Horovod passes them, the training job waited for ever (checked by hand, before the
+reachability check: killed at the 200 s timeout; with the check it fails at once naming
+``grpc://localhost:<port>``); with the addresses hora advertises it trains.
 """
 
 from __future__ import annotations
@@ -162,3 +164,32 @@ def test_the_compute_job_and_the_training_job_on_different_hosts(cluster: Cluste
     assert final, training.stdout[-3000:]
     addresses = {address for entries in json.loads(config.read_text())["addresses"].values() for address, _ in entries}
     assert compute_host in addresses, addresses
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_dispatcher_is_an_error_not_a_wait() -> None:
+    """A dispatcher registered at an address this host cannot reach (a firewall, the wrong
+    interface): TensorFlow's client would retry for ever; hora names the dispatcher."""
+    code = (
+        "import socket\n"
+        "from hora.core.compute_service import ComputeService, make_secret_key\n"
+        "from hora.tensorflow.data.compute_service import TfDataServiceConfig\n"
+        "import tensorflow as tf\n"
+        "key = make_secret_key()\n"
+        "service = ComputeService(1, 1, key)\n"
+        "config = TfDataServiceConfig(1, 1, 'compute', service.addresses(), key, timeout=5)\n"
+        "closed = socket.socket(); closed.bind(('127.0.0.1', 0)); port = closed.getsockname()[1]; closed.close()\n"
+        "client = config.compute_client()\n"
+        "client.register_dispatcher(0, f'grpc://127.0.0.1:{port}')\n"
+        "client.register_worker_for_dispatcher(0, 0)\n"
+        "try:\n"
+        "    tf.data.Dataset.range(4).send_to_data_service(config, 0, 1)\n"
+        "except ConnectionError as exc:\n"
+        "    print('refused:', exc)\n"
+        "service.shutdown()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"refused: dispatcher 0 at grpc://127.0.0.1:\d+ cannot be reached from this host", result.stdout), (
+        result.stdout + result.stderr[-2000:]
+    )

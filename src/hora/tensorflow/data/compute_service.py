@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from hora.core.compute_service import ComputeClient
 log = logging.getLogger(__name__)
 
 _WAIT_LOG_SECONDS = 30.0  # how often read(wait_for_file_creation=True) says it still waits
+_CONNECT_SECONDS = 10.0  # the longest a training rank tries to reach its dispatcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,18 @@ def _reachable(target: str, host: str) -> str:
     return target.replace("localhost", host, 1)
 
 
+def _check_reachable(dispatcher_id: int, address: str, timeout: float) -> None:
+    """Raises ``ConnectionError`` when nothing accepts connections at the dispatcher's
+    ``address`` (``grpc://host:port``): TensorFlow's client would retry for ever."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(
+            f"dispatcher {dispatcher_id} at {address} cannot be reached from this host: {exc}"
+        ) from exc
+
+
 def _start_dispatcher(compute: ComputeClient, dispatcher_id: int, host: str) -> Any:
     """Starts a tf.data dispatcher and registers it, at ``host``, as ``dispatcher_id``."""
     server = tf.data.experimental.service.DispatchServer()
@@ -140,7 +154,8 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int) -> Iterator[
 
     Raises:
         TimeoutError: they did not register within ``compute_config.timeout`` seconds.
-        ConnectionError: the compute service cannot be reached.
+        ConnectionError: the compute service, or the dispatcher, cannot be reached from
+            this host (TensorFlow's client would wait for an unreachable dispatcher for ever).
     """
     compute = compute_config.compute_client(verbose=2)
     dispatcher_server = None
@@ -150,6 +165,7 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int) -> Iterator[
             dispatcher_server = _start_dispatcher(compute, rank, compute.local_address())
         dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_id, compute_config.timeout)
         compute.wait_for_dispatcher_worker_registration(dispatcher_id, compute_config.timeout)
+        _check_reachable(dispatcher_id, dispatcher_address, min(compute_config.timeout, _CONNECT_SECONDS))
         yield dispatcher_address
     finally:
         if dispatcher_server is not None:
@@ -180,6 +196,7 @@ def send_to_data_service(
 
     Raises:
         RuntimeError: the dispatchers run on the training side (use ``tf_data_service``).
+        TimeoutError, ConnectionError: as ``tf_data_service``.
     """
     if compute_config.dispatcher_side == "training":
         raise RuntimeError("training side dispatcher not supported, use tf_data_service context manager instead")
