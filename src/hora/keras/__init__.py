@@ -2,9 +2,10 @@
 
 Keras 3 *is* ``tf.keras`` on TensorFlow 2.16 and later, so this is ``hora.tensorflow.keras``
 (with the same choice between Keras 3 and tf_keras through ``TF_USE_LEGACY_KERAS``), with
-the two signatures that differ in Horovod kept as ``horovod.keras`` has them:
+the signatures that differ in Horovod kept as ``horovod.keras`` has them:
 ``DistributedOptimizer`` takes ``num_groups`` and ``groups`` right after ``op`` (the
-arguments only ``horovod.tensorflow.keras`` has follow them), and
+arguments only ``horovod.tensorflow.keras`` has follow them), ``allreduce`` defaults to
+``average=True`` (so, as in Horovod, passing ``op`` as well raises ``ValueError``), and
 ``callbacks.BestModelCheckpoint`` has no ``save_weights_only``.
 """
 
@@ -46,6 +47,20 @@ def DistributedOptimizer(  # type: ignore[no-redef] # noqa: N802 - horovod.keras
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
         backward_passes_per_step, average_aggregated_gradients, num_groups, groups, process_set, scale_local_gradients,
     )  # fmt: skip
+
+
+def allreduce(  # type: ignore[no-redef] # horovod.keras's default, replacing the star import's
+    value: Any,
+    name: str | None = None,
+    average: bool | None = True,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: int | None = None,
+    compression: type[Compressor] = Compression.none,
+) -> Any:
+    """``horovod.keras.allreduce``: ``hora.tensorflow.keras.allreduce`` with ``average=True``
+    by default, as ``horovod.keras`` has it (a deprecation warning unless ``average=None``)."""
+    return _tf_keras.allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)
 
 
 __all__ = list(_all)
