@@ -28,6 +28,11 @@ def test_every_binding_offers_the_basics(module_name: str) -> None:
 @pytest.mark.framework
 def test_tensorflow_offers_the_basics() -> None:
     _check("hora.tensorflow")
+    _check("hora.tensorflow.mpi_ops")  # Horovod's module of that name
+    import hora.tensorflow as hvd
+    from hora.tensorflow import mpi_ops
+
+    assert mpi_ops.allgather is hvd.allgather and mpi_ops.join is hvd.join and mpi_ops.rank_op is hvd.rank_op
 
 
 def test_horovod_common_modules_hold_the_same_objects() -> None:
