@@ -103,6 +103,9 @@ def worker(engine: str, args: argparse.Namespace) -> None:
     if engine in ("hora", "horovod"):
         hvd.shutdown()
     else:
+        # Leave together: gloo's teardown can abort a rank ("terminate called without an
+        # active exception") whose peer destroyed the group first (seen across hosts in CI).
+        dist.barrier()
         dist.destroy_process_group()
 
 
