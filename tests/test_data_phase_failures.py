@@ -138,6 +138,8 @@ CASES = [
     ("grouped", 16 * MiB, "shm", 3, 2, "shm barrier", 3),
     ("grouped", 16 * MiB, "tcp", 2, 1, "ring send", 5),
     ("allreduce", 4, "shm", 3, 1, "lane proposal", 1),
+    ("grouped", 1 * MiB, "shm", 3, 1, "lane proposal", 1),  # agreed by id: the others run its data phase
+    ("allreduce", 1 * MiB, "shm", 2, 0, "lane proposal", 2),
     ("allreduce", 4, "shm", 3, 0, "announce", 1),
     ("allgather", 1 * MiB, "tcp", 3, 2, "announce", 1),
 ]
@@ -194,13 +196,15 @@ FREEZES = [
     ("allreduce", 256 << 10, "tcp", 4, 1, "tcp exchange", 3),
     # Rank 0 frozen mid-ring: each worker asks rank 0 itself, and names it.
     ("allreduce", 64 * MiB, "tcp", 4, 0, "ring send", 5),
+    # Frozen right after proposing a group by id on the fast lane: the others run its data phase.
+    ("grouped", 1 * MiB, "shm", 3, 1, "lane proposal", 1),
 ]
 
 
 @pytest.mark.parametrize(
     "op, nbytes, transport, size, victim, point, after",
     FREEZES,
-    ids=["shm", "tcp", "chain", "ring", "ring-256K", "ring-rank-0"],
+    ids=["shm", "tcp", "chain", "ring", "ring-256K", "ring-rank-0", "lane-by-id"],
 )
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_mid_collective_is_reported_then_ends_the_job(op, nbytes, transport, size, victim, point, after):

@@ -19,7 +19,7 @@ import pytest
 from harness import run_ranks
 from hora.collectives.reduce import DataType
 from hora.config import Config
-from hora.engine.fast_lane import FastLane
+from hora.engine.fast_lane import MAX_IDS, FastLane
 from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType
 from hora.engine.queue import Entry
@@ -58,15 +58,21 @@ def entry(values, name: str = "x", op: int = 1) -> Entry:
     return Entry(request, DataType.FLOAT32, data, np.empty_like(data), Handle(name))
 
 
+def outcome(lane: FastLane) -> tuple[Entry, bool] | None:
+    """``lane.settle()``'s result as (the proposal's first entry, whether it succeeded)."""
+    settled = lane.settle()
+    return None if settled is None else (settled[0].entry, settled[1])
+
+
 def test_matching_proposals_give_every_rank_the_same_sum(lanes):
     a, b, c = lanes(3)
     entries = [entry([1.5, 2.0]), entry([10.0, 20.0]), entry([100.0, 200.0])]
-    assert a.propose(entries[0], 7)
+    assert a.propose([entries[0]], [7], False)
     assert not a.settled() and a.settle() is None  # the others have not answered
-    assert b.propose(entries[1], 7)
-    assert c.propose(entries[2], 7)
+    assert b.propose([entries[1]], [7], False)
+    assert c.propose([entries[2]], [7], False)
     for lane, e in zip((a, b, c), entries):
-        assert lane.settle() == (e, True)
+        assert outcome(lane) == (e, True)
         assert e.output.tolist() == [111.5, 222.0]
         assert lane.pending is None
 
@@ -75,75 +81,75 @@ def test_rounds_reuse_the_two_slots_without_mixing_them(lanes):
     a, b = lanes(2)
     for step in range(7):
         x, y = entry([step]), entry([10.0 * step])
-        assert a.propose(x, 3) and b.propose(y, 3)
-        assert a.settle() == (x, True) and b.settle() == (y, True)
+        assert a.propose([x], [3], False) and b.propose([y], [3], False)
+        assert outcome(a) == (x, True) and outcome(b) == (y, True)
         assert x.output.tolist() == y.output.tolist() == [11.0 * step]
 
 
 def test_different_tensors_fail_on_every_rank(lanes):
     a, b = lanes(2)
     x, y = entry([1.0]), entry([2.0])
-    assert a.propose(x, 1) and b.propose(y, 2)
-    assert a.settle() == (x, False) and b.settle() == (y, False)
+    assert a.propose([x], [1], False) and b.propose([y], [2], False)
+    assert outcome(a) == (x, False) and outcome(b) == (y, False)
     # The next entry is open to both again.
     x, y = entry([1.0]), entry([2.0])
-    assert a.propose(x, 1) and b.propose(y, 1)
-    assert a.settle() == (x, True) and b.settle() == (y, True)
+    assert a.propose([x], [1], False) and b.propose([y], [1], False)
+    assert outcome(a) == (x, True) and outcome(b) == (y, True)
 
 
 def test_a_busy_rank_refuses_and_one_that_became_idle_answers(lanes):
     a, b = lanes(2)
     x = entry([1.0])
-    assert a.propose(x, 1)
+    assert a.propose([x], [1], False)
     b.serve(busy=True)  # b has a collective on the coordinator's path: it refuses
-    assert a.settle() == (x, False)
+    assert outcome(a) == (x, False)
     x = entry([1.0])
-    assert a.propose(x, 1)  # b is still flagged busy: a proposes all the same
+    assert a.propose([x], [1], False)  # b is still flagged busy: a proposes all the same
     b.serve(busy=False)  # b's last collective finished before it looked: no refusal
     assert a.settle() is None
     y = entry([2.0])
-    assert b.propose(y, 1)
-    assert a.settle() == (x, True) and b.settle() == (y, True)
+    assert b.propose([y], [1], False)
+    assert outcome(a) == (x, True) and outcome(b) == (y, True)
     assert x.output.tolist() == [3.0]
 
 
 def test_a_rank_behind_catches_up_before_proposing(lanes):
     a, b, c = lanes(3)
     x = entry([1.0])
-    assert a.propose(x, 1)
+    assert a.propose([x], [1], False)
     b.serve(busy=True)
     b.serve(busy=False)
-    assert a.settle() == (x, False)
+    assert outcome(a) == (x, False)
     # c wrote nothing yet: a cannot propose entry 2 until c has answered entry 1.
-    assert not a.propose(entry([1.0]), 1)
+    assert not a.propose([entry([1.0])], [1], False)
     z = entry([4.0])
-    assert c.propose(z, 1)  # refuses the doomed entry 1, proposes entry 2
+    assert c.propose([z], [1], False)  # refuses the doomed entry 1, proposes entry 2
     x, y = entry([1.0]), entry([2.0])
-    assert a.propose(x, 1) and b.propose(y, 1)
+    assert a.propose([x], [1], False) and b.propose([y], [1], False)
     for lane, e in ((a, x), (b, y), (c, z)):
-        assert lane.settle() == (e, True) and e.output.tolist() == [7.0]
+        assert outcome(lane) == (e, True) and e.output.tolist() == [7.0]
 
 
 def test_a_rank_that_left_fails_what_waits_for_it(lanes):
     a, b = lanes(2)
     x = entry([1.0])
-    assert a.propose(x, 1)
+    assert a.propose([x], [1], False)
     b.leave()
-    assert a.settle() == (x, False)
-    assert not a.propose(entry([1.0]), 1)
+    assert outcome(a) == (x, False)
+    assert not a.propose([entry([1.0])], [1], False)
 
 
 def test_a_waiting_rank_is_woken_by_the_entry_it_waits_for(lanes):
     a, b = lanes(2)
     x = entry([1.0])
-    assert a.propose(x, 1)
+    assert a.propose([x], [1], False)
     a.watch(caller=True, on=True)
-    assert b.propose(entry([2.0]), 1)
+    assert b.propose([entry([2.0])], [1], False)
     a.watch(caller=True, on=False)
     poller = select.poll()
     poller.register(a._domain.wake_fileno(), select.POLLIN)
     assert poller.poll(1000), "the writer did not wake the watching rank"
-    assert a.settle() == (x, True)
+    assert outcome(a) == (x, True)
 
 
 def test_only_lone_small_global_allreduces_ride_the_lane():
@@ -158,6 +164,86 @@ def test_only_lone_small_global_allreduces_ride_the_lane():
     gather = entry([1.0])
     gather.request.type = RequestType.ALLGATHER
     assert not FastLane.carries(gather)
+
+
+def grouped(sizes: list[int], name: str = "g") -> list[Entry]:
+    """The entries of a grouped allreduce (Sum) of float32 tensors of these sizes."""
+    entries = [entry([1.0] * n, f"{name}_{i}") for i, n in enumerate(sizes)]
+    for e in entries:
+        e.request.group, e.request.group_size = name, len(sizes)
+    return entries
+
+
+def test_by_id_proposals_that_name_the_same_ids_succeed_and_leave_the_data_to_the_executor(lanes):
+    a, b, c = lanes(3)
+    groups = [grouped([3, 5000, 1]) for _ in range(3)]
+    for lane, entries in zip((a, b, c), groups):
+        assert lane.propose(entries, [4, 9, 2], True)
+    for lane, entries in zip((a, b, c), groups):
+        proposal, succeeded = lane.settle()
+        assert succeeded and proposal.entries == entries and proposal.count == 3
+        assert [e.output.tolist() for e in entries] != [[3.0] * 3, [3.0] * 5000, [3.0]]  # not reduced here
+        response = FastLane.response(proposal)
+        assert response.names == ["allreduce.g_0", "allreduce.g_1", "allreduce.g_2"]
+        assert response.sizes == [3, 5000, 1] and response.cache_ids == [4, 9, 2]
+        assert response.process_set_id == 0 and response.reduce_op == entries[0].request.reduce_op
+    assert a.succeeded == b.succeeded == c.succeeded == 1
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [[4, 9, 3], [4, 9], [4, 9, 2, 5]],
+    ids=["a later id differs", "fewer tensors", "more tensors"],
+)
+def test_by_id_proposals_that_differ_fail_on_every_rank(lanes, theirs):
+    a, b = lanes(2)
+    x, y = grouped([3, 5000, 1]), grouped([3, 5000, 1] + [1] * (len(theirs) - 3))[: len(theirs)]
+    assert a.propose(x, [4, 9, 2], True) and b.propose(y, theirs, True)
+    assert a.settle()[1] is False and b.settle()[1] is False
+
+
+def test_a_by_id_proposal_never_matches_a_data_proposal(lanes):
+    a, b = lanes(2)
+    small = entry([1.0])
+    assert a.propose([small], [6], False) and b.propose([entry([1.0] * 5000)], [6], True)
+    assert outcome(a) == (small, False)
+    assert b.settle()[1] is False
+
+
+def test_a_busy_rank_refuses_by_id_proposals_before_a_response_and_leaves_data_proposals(lanes):
+    a, b = lanes(2)
+    x = entry([1.0])
+    assert a.propose([x], [1], False)
+    b.refuse_by_id()  # a data proposal: b may still answer it once idle
+    assert a.settle() is None
+    y = entry([2.0])
+    assert b.propose([y], [1], False)
+    assert outcome(a) == (x, True) and outcome(b) == (y, True)
+    big = entry([1.0] * 5000)
+    assert a.propose([big], [2], True)
+    b.refuse_by_id()
+    assert outcome(a) == (big, False)
+
+
+def test_what_rides_the_lane_by_id():
+    assert not FastLane.carries_by_id([entry([1.0] * 4096)])  # fits a slot: goes with its data
+    assert FastLane.carries_by_id([entry([1.0] * 4097)])
+    assert FastLane.carries_by_id(grouped([1, 1]))  # a whole group, however small
+    assert not FastLane.carries_by_id(grouped([1, 1, 1])[:2])  # part of one
+    assert not FastLane.carries_by_id([*grouped([1]), *grouped([1], "h")])
+    mixed = grouped([1, 1])
+    mixed[1].request.dtype = int(DataType.FLOAT64)
+    assert not FastLane.carries_by_id(mixed)
+    scaled = grouped([1, 1])
+    scaled[0].request.postscale = 0.5
+    assert not FastLane.carries_by_id(scaled)
+    other_set = [entry([1.0] * 5000)]
+    other_set[0].request.process_set_id = 1
+    assert not FastLane.carries_by_id(other_set)
+    gather = [entry([1.0] * 5000)]
+    gather[0].request.type = RequestType.ALLGATHER
+    assert not FastLane.carries_by_id(gather)
+    assert not FastLane.carries_by_id(grouped([1] * (MAX_IDS + 1)))
 
 
 # ----- ranks -----
@@ -242,6 +328,82 @@ def test_results_are_exact_whichever_path_a_step_takes(size, tmp_path):
         # Cached, small, quiet: the lane carried some of these (the first of every step but
         # the first; how many more depends on timing).
         assert all(r[1] > 0 for r in results), [r[1] for r in results]
+
+
+def by_id_job(rounds: int, flags: str) -> list:
+    import hora.numpy as hvd
+    from hora.core.api import current
+
+    hvd.init()
+    me = hvd.rank()
+    out = []
+    for step in range(rounds):
+        # A group of small and large tensors (Average), then a lone 64 KiB one (Sum):
+        # after the first step both are cached, and each step starts with every rank idle.
+        group = [np.full(n, me + step, dtype=np.float64) for n in (3, 5000, 1)]
+        out.append([g.tolist() for g in hvd.grouped_allreduce(group, op=hvd.Average, name="g")])
+        lone = hvd.allreduce(np.full(16384, me * step, dtype=np.float32), op=hvd.Sum, name="lone")
+        out.append([float(lone.min()), float(lone.max())])
+        _idle_barrier(flags, f"step{step}")
+    succeeded = current().engine.stats().lane_succeeded
+    hvd.shutdown()
+    return [out, succeeded]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(120)
+def test_groups_and_large_tensors_agreed_by_id_run_the_data_phase_alike_everywhere(size, tmp_path):
+    rounds = 6
+    results = run_ranks(size, by_id_job, rounds, str(tmp_path), timeout=100)
+    for step in range(rounds):
+        mean = sum(r + step for r in range(size)) / size
+        group, lone = results[0][0][2 * step : 2 * step + 2]
+        assert group == [[mean] * 3, [mean] * 5000, [mean]]
+        assert lone == [float(step * sum(range(size)))] * 2
+    assert all(r[0] == results[0][0] for r in results)
+    assert all(r[1] > 0 for r in results), [r[1] for r in results]
+
+
+def process_set_job(flags: str) -> list:
+    import hora.numpy as hvd
+    from hora.core.api import current
+
+    pair = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[pair])
+    me = hvd.rank()
+    out = []
+    for step in range(4):
+        # Ranks 0 and 1 start a global group, then an allreduce of their own set; rank 2
+        # comes to the group late. With a process set known no rank proposes by id: a
+        # member could otherwise run the pair's allreduce while the late rank's proposal
+        # completes the group's on the other member, who would run that first.
+        handle = hvd.grouped_allreduce_async([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+        if me in (0, 1):
+            out.append(float(hvd.allreduce(np.full(5000, 1.0), op=hvd.Sum, name="pair", process_set=pair)[0]))
+        else:
+            import time
+
+            time.sleep(0.05)
+        out.append(float(hvd.synchronize(handle)[0][0]))
+        _idle_barrier(flags, f"step{step}")
+    before = current().engine.stats().lane_succeeded
+    for _ in range(4):  # quiet, cached, whole groups: the lane would take them with no set known
+        hvd.grouped_allreduce([np.full(5000, 1.0)], op=hvd.Sum, name="quiet")
+        _idle_barrier(flags, f"quiet{_}")
+    out.append(current().engine.stats().lane_succeeded - before)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_with_a_process_set_known_groups_go_the_coordinators_way(tmp_path):
+    results = run_ranks(3, process_set_job, str(tmp_path), timeout=100)
+    for rank, out in enumerate(results):
+        per_step = [2.0, 6.0] if rank < 2 else [6.0]
+        assert out[:-1] == per_step * 4
+        assert out[-1] == 0
 
 
 def mixed_order_job(steps: int) -> list:
@@ -404,7 +566,7 @@ def test_a_lane_proposal_nobody_waits_for_finishes():
         assert out == [[float(1 + 2 * step)] * 2 for step in range(6)]
 
 
-def leaving_job(how: str, flags: str) -> str:
+def leaving_job(how: str, grouped: bool, flags: str) -> str:
     import pathlib
     import threading
 
@@ -414,8 +576,15 @@ def leaving_job(how: str, flags: str) -> str:
     hvd.init()
     me = hvd.rank()
     folder = pathlib.Path(flags)
+
+    def step() -> None:  # small (with its data on the lane) or a group (by id)
+        if grouped:
+            hvd.grouped_allreduce([np.ones(5000)], op=hvd.Sum, name="step")
+        else:
+            hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+
     for _ in range(5):
-        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+        step()
     engine = current().engine
     if me == 1:
         # Idle, rank 1 does not refuse rank 0's next proposal; it leaves only once rank 0
@@ -435,23 +604,56 @@ def leaving_job(how: str, flags: str) -> str:
 
     threading.Thread(target=say_when_waiting, daemon=True).start()
     try:
-        hvd.allreduce(np.ones(2), op=hvd.Sum, name="step")
+        step()
         return "no error"
     except hvd.HoraInternalError as exc:
         return str(exc)
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize("grouped", [False, True], ids=["small", "by-id"])
 @pytest.mark.parametrize("how", ["kill", "shutdown"])
 @pytest.mark.timeout(60)
-def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how, tmp_path):
-    results = run_ranks(2, leaving_job, how, str(tmp_path), check=False)
+def test_a_rank_that_leaves_while_another_waits_on_the_lane_fails_that_wait(how, grouped, tmp_path):
+    results = run_ranks(2, leaving_job, how, grouped, str(tmp_path), check=False)
     assert results[0].returncode == 0, results[0].output
+    op = "grouped_allreduce 'step_0'" if grouped else "allreduce 'step'"
     if how == "kill":
         assert results[1].returncode == -signal.SIGKILL
-        assert "allreduce 'step' failed: rank 1 on host" in results[0].value
+        assert f"{op} failed: rank 1 on host" in results[0].value
         assert "was lost" in results[0].value
     else:
         assert results[1].value == "left"
-        assert "allreduce 'step' cannot run: in its process set, rank 1 on host" in results[0].value
+        assert f"{op} cannot run: in its process set, rank 1 on host" in results[0].value
         assert "has shut down (it called shutdown())" in results[0].value
+
+
+def leaving_proposer_job(flags: str) -> list:
+    import time
+
+    import hora.numpy as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    for step in range(3):
+        hvd.grouped_allreduce([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+        _idle_barrier(flags, f"step{step}")
+    if me == 1:
+        # Proposes the group by id and shuts down without waiting for it: the others
+        # will agree to it, and its data phase needs this rank, which settles it first.
+        hvd.grouped_allreduce_async([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+        hvd.shutdown()
+        return ["left"]
+    time.sleep(0.3)
+    out = hvd.grouped_allreduce([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+    return [float(out[0].min()), float(out[0].max())]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.timeout(90)
+def test_a_rank_that_shuts_down_with_a_proposal_by_id_runs_it_first(size, tmp_path):
+    results = run_ranks(size, leaving_proposer_job, str(tmp_path), timeout=80)
+    total = float(sum(r + 1 for r in range(size)))
+    assert results[1] == ["left"]
+    assert all(out == [total, total] for rank, out in enumerate(results) if rank != 1), results

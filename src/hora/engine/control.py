@@ -127,6 +127,9 @@ class ControlPlane:
         # Changed by autotune, at the same point of the response sequence on every rank.
         self.cycle_time_ms = config.cycle_time_ms
         self.ride_bytes = config.ride_bytes  # small tensors' data goes with their requests (riders)
+        # Larger cached allreduces and groups may go on the lane by id (FastLane.carries_by_id):
+        # not under autotune (its changes come from rank 0 alone), nor with fusion off.
+        self.by_id = not config.autotune and config.fusion_threshold > 0
         self.hostname = hostname
         self.queue = queue
         self.executor = executor
@@ -206,6 +209,7 @@ class ControlPlane:
             self.timeline.cycle()
         tuner = self.tuner
         while self.responses:
+            self.before_response()
             response = self.responses.popleft()
             self.executor.run(response)
             if tuner is not None and tuner.active and response.type in STEP_KINDS:
@@ -242,9 +246,7 @@ class ControlPlane:
     def awaits_coordinator(self) -> bool:
         """A worker: it waits for a response from rank 0 (it has tensors in flight, none
         of them on the fast lane's path, and no response to execute)."""
-        lane = self.lane
-        on_lane = 1 if lane is not None and lane.pending is not None else 0
-        return not self.responses and len(self.queue) > on_lane
+        return not self.responses and len(self.queue) > self._on_lane()
 
     def busy(self) -> bool:
         """True when a pass has work without waiting: responses to run, frames read, a link closed."""
@@ -426,15 +428,14 @@ class ControlPlane:
     def announce(self, entries: list[Entry], lane: bool = True) -> None:
         """Tells the coordinator about new tensors: unchanged cached ones by id only.
 
-        A lone cached small allreduce, with nothing else of this rank's in flight, is
-        proposed on the fast lane instead (unless ``lane`` is False: it came back from
-        there), and the coordinator hears of it only if the lane fails it.
+        A lone cached allreduce, or a whole grouped call of them, with nothing else of
+        this rank's in flight, is proposed on the fast lane instead (unless ``lane`` is
+        False: it came back from there), and the coordinator hears of it only if the lane
+        fails it.
         """
         fast_lane = self.lane
-        if lane and fast_lane is not None and len(entries) == 1 and fast_lane.carries(entries[0]):
-            cache_id = self.executor.cache.lookup(entries[0].request)
-            if cache_id is not None and not self.lane_busy(announcing=1) and fast_lane.propose(entries[0], cache_id):
-                return
+        if lane and fast_lane is not None and self._propose(fast_lane, entries):
+            return
         requests: list[messages.Request] = []
         cached: list[int] = []
         in_full: list[int] = []  # the entries' indexes, in the frame's order: full requests first
@@ -514,8 +515,26 @@ class ControlPlane:
 
     # ----- the fast lane -----
 
+    def _propose(self, lane: FastLane, entries: list[Entry]) -> bool:
+        """Proposes ``entries`` on the fast lane if it may carry them; returns whether it did."""
+        if self.lane_busy(announcing=len(entries)):
+            return False
+        by_id = self.by_id and not self.responses and self.executor.sets.ids() == [0] and lane.carries_by_id(entries)
+        if not by_id and (len(entries) != 1 or not lane.carries(entries[0])):
+            return False
+        cache_ids = []
+        for entry in entries:
+            cache_id = self.executor.cache.lookup(entry.request)
+            if cache_id is None:
+                return False
+            cache_ids.append(cache_id)
+        return lane.propose(entries, cache_ids, by_id)
+
     def settle_lane(self) -> bool | None:
         """Completes this rank's lane proposal once settled, or sends it the coordinator's way.
+
+        A by-id proposal that succeeded runs here, through the executor, before any
+        response this rank has yet to run (``FastLane``'s invariants).
 
         Returns:
             None while it waits; else whether it succeeded.
@@ -526,16 +545,33 @@ class ControlPlane:
         settled = lane.settle()
         if settled is None:
             return None
-        entry, succeeded = settled
+        proposal, succeeded = settled
         if not succeeded:
-            self.announce([entry], lane=False)
+            self.announce(proposal.entries, lane=False)
             return False
-        if self.queue.pop(entry.request.process_set_id, entry.request.name) is not None:
+        if proposal.count:
+            self.executor.run(lane.response(proposal))
+        else:
+            entry = proposal.entry
+            if self.queue.pop(entry.request.process_set_id, entry.request.name) is None:
+                return True
             assert entry.output is not None  # invariant: FastLane.carries
             entry.handle.complete(entry.output.reshape(entry.shape))
-            if self.tuner is not None and self.tuner.active:
-                self.measure([entry.request.name], entry.output.nbytes)
+        if self.tuner is not None and self.tuner.active:
+            self.measure([entry.request.name for entry in proposal.entries], proposal.nbytes)
         return True
+
+    def before_response(self) -> None:
+        """Keeps data phases in one order on every rank (``FastLane``'s invariants): a
+        settled by-id proposal runs before the next response, and a rank with
+        collectives in flight refuses a by-id proposal it sees before running one."""
+        lane = self.lane
+        if lane is None:
+            return
+        if lane.pending is not None:
+            self.settle_lane()
+        if self.lane_busy():
+            lane.refuse_by_id()
 
     def settled_on_lane(self, handle: Handle, interrupted: Callable[[], bool], spin_seconds: float) -> bool:
         """The lane's short cut for a caller waiting for its own lane proposal: spins (for
@@ -545,7 +581,7 @@ class ControlPlane:
         """
         lane = self.lane
         pending = lane.pending if lane is not None else None
-        if lane is None or pending is None or pending.entry.handle is not handle:
+        if lane is None or pending is None or all(entry.handle is not handle for entry in pending.entries):
             return False
         spin_until = time.perf_counter() + spin_seconds
         while not lane.settled():
@@ -559,9 +595,18 @@ class ControlPlane:
         """True while this rank has collectives on the coordinator's path, besides the lane's
         and ``announcing`` entries being announced now (or rank 0 records a timeline, which
         should show every collective): it then refuses lane proposals, and proposes none."""
+        return len(self.queue) > self._on_lane() + announcing or self.timeline is not None
+
+    def lane_runs_data(self) -> bool:
+        """True while this rank's lane proposal is by id: settled as a success, it has a
+        data phase the other ranks run with this one."""
         lane = self.lane
-        on_lane = 1 if lane is not None and lane.pending is not None else 0
-        return len(self.queue) > on_lane + announcing or self.timeline is not None
+        return lane is not None and lane.pending is not None and lane.pending.count > 0
+
+    def _on_lane(self) -> int:
+        """How many of this rank's queued tensors its lane proposal holds."""
+        lane = self.lane
+        return 0 if lane is None or lane.pending is None else len(lane.pending.entries)
 
     # ----- autotune -----
 

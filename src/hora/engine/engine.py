@@ -612,7 +612,9 @@ class Engine:
         self._sleeper.drain(events)
         control.absorb(events)
         endings.note_lingering(control)
-        if self._stop_requested and control.leaving_since is None:
+        # A by-id lane proposal may have succeeded on the others, who then run its data
+        # phase with this rank: it settles first (as a collective in flight would).
+        if self._stop_requested and control.leaving_since is None and not control.lane_runs_data():
             if self._leaving_lost and control.coordinator is not None and control.links:  # others to tell
                 raise JobFailed(f"rank {self.rank} on host {control.hostname} {self._leaving_how}")
             endings.begin_leaving(control, self._leaving_how)

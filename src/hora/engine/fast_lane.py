@@ -1,4 +1,4 @@
-"""The fast lane: cached small allreduces agreed and reduced through shared memory.
+"""The fast lane: cached allreduces agreed, and small ones reduced, through shared memory.
 
 When every rank of the job shares this machine, an allreduce of a tensor the response
 cache knows (same name and parameters as a negotiated one), small enough for a lane
@@ -7,6 +7,13 @@ its data) into its own lane slot, and once every rank has written one for the sa
 slot number, each sums every rank's data, in rank order, into its output. No control
 frame, no response, no executor, no barrier: one write and one wait. Anything the lane
 cannot settle falls back, on every rank alike, to the coordinator's path.
+
+Larger cached allreduces, and whole grouped calls of them, are proposed *by id*: the slot
+holds the tensors' cache ids instead of their data, and once every rank proposed the
+same ids, each builds the response the coordinator would have sent (``response``) and
+runs it through its executor, data phase and all. Since a data phase synchronizes the
+ranks, every rank must run it at the same point of the response sequence; the rules for
+that are under "Invariants".
 
 Protocol. Entries are numbered. Every rank writes entries 1, 2, 3... in order, each
 either a proposal or a refusal ("no"), into slot ``seq % 2`` of its own segment (one
@@ -30,6 +37,17 @@ Invariants:
   on the domain's socket), which refuse if they are still busy when they look. A rank
   that is not busy writes nothing until its own next allreduce: that one either matches
   the proposal or, differing, fails it.
+* By-id proposals keep data phases in one order on every rank. A rank proposes by id
+  only with nothing else in flight, no response waiting to run, only the global
+  process set known, and no autotune (whose parameter changes come from rank 0 alone,
+  outside the order below). A rank with collectives in flight refuses every by-id
+  proposal it can see before it runs any response (``refuse_by_id``). So for a response
+  R and a successful entry t: every rank proposed t before it submitted R's tensor (a
+  rank that submitted R first was busy, saw t before R's response could exist, and
+  refused it), so every rank sees t settled before it runs R and runs t first; or some
+  rank had not written t when another was about to run R, and then t fails. Only the
+  global set matters: with a subset, a member could run R while a non-member's
+  proposal completes t on another member, who would run t first.
 * A rank that waits for entries sleeps with a *watch* flag set; whoever writes an entry
   wakes the ranks whose flag is set. Flag and entry form a pair on each side (set mine,
   then read yours), which x86-64 may reorder (a store may wait in a buffer past a later
@@ -42,11 +60,14 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+
+import numpy as np
 
 from hora.collectives.reduce import DataType, Reducer, reducer, scale
 from hora.config import Config
 from hora.engine.coordinator import Stall
-from hora.engine.messages import RequestType
+from hora.engine.messages import RequestType, Response, ResponseType
 from hora.engine.queue import Entry
 from hora.engine.stall import StallInspector
 from hora.transport.shm import LANE_DATA_BYTES, Domain
@@ -61,23 +82,36 @@ _WATCH_ENGINE = 4  # 1 while the engine thread of this rank sleeps waiting for e
 _SEQ = 0  # the entry's number, written last
 _VERDICT = 1  # the proposed cache id, or _NO
 _NBYTES = 2  # the proposal's size in bytes
+_COUNT = 3  # a by-id proposal's number of cache ids (its data area holds them); 0 for data
 _NO = -1
+
+MAX_IDS = LANE_DATA_BYTES // 8  # the most tensors one by-id proposal names
 
 _RECHECK_MIN_MS = 2.0
 _RECHECK_MAX_MS = 1000.0
 
 
 class Proposal:
-    """This rank's entry that awaits the others' (its fields never change once made)."""
+    """This rank's entry that awaits the others' (its fields never change once made).
 
-    __slots__ = ("cache_id", "entry", "nbytes", "seq", "since")
+    ``count`` is 0 for a proposal with the tensor's data, else the number of cache ids
+    it names (``cache_ids``, one per entry, in order).
+    """
 
-    def __init__(self, seq: int, entry: Entry, cache_id: int, nbytes: int) -> None:
+    __slots__ = ("cache_ids", "count", "entries", "nbytes", "seq", "since")
+
+    def __init__(self, seq: int, entries: list[Entry], cache_ids: list[int], nbytes: int, count: int) -> None:
         self.seq = seq
-        self.entry = entry
-        self.cache_id = cache_id
+        self.entries = entries
+        self.cache_ids = cache_ids
         self.nbytes = nbytes
+        self.count = count
         self.since = time.monotonic()
+
+    @property
+    def entry(self) -> Entry:
+        """The first (for a data proposal, the only) entry."""
+        return self.entries[0]
 
 
 class FastLane:
@@ -110,7 +144,8 @@ class FastLane:
 
     @staticmethod
     def carries(entry: Entry) -> bool:
-        """True for a tensor the lane can take: a lone allreduce of the global set, small enough."""
+        """True for a tensor the lane carries with its data: a lone allreduce of the global
+        set that fits a slot."""
         request = entry.request
         return (
             request.type == RequestType.ALLREDUCE
@@ -121,14 +156,64 @@ class FastLane:
             and entry.input.nbytes <= LANE_DATA_BYTES
         )
 
+    @staticmethod
+    def carries_by_id(entries: Sequence[Entry]) -> bool:
+        """True for tensors the lane can agree on by id: a lone allreduce of the global set
+        too large for a slot, or a whole grouped call of allreduces of the global set,
+        alike in data type, reduce op and scale factors (they run fused)."""
+        if not entries or len(entries) > MAX_IDS:
+            return False
+        first = entries[0].request
+        if first.group:
+            if len(entries) != first.group_size:
+                return False
+        elif len(entries) != 1 or entries[0].input is None or entries[0].input.nbytes <= LANE_DATA_BYTES:
+            return False
+        for entry in entries:
+            request = entry.request
+            if (
+                request.type != RequestType.ALLREDUCE
+                or request.process_set_id != 0
+                or entry.input is None
+                or entry.output is None
+                or request.group != first.group
+                or (request.dtype, request.reduce_op, request.prescale, request.postscale)
+                != (first.dtype, first.reduce_op, first.prescale, first.postscale)
+            ):
+                return False
+        return True
+
+    @staticmethod
+    def response(proposal: Proposal) -> Response:
+        """What the coordinator would send for a by-id proposal that succeeded: one
+        allreduce of its tensors, fused in order (the same on every rank, since every
+        rank proposed the same ids, each standing for the same validated request)."""
+        first = proposal.entry.request
+        return Response(
+            ResponseType.ALLREDUCE,
+            [entry.request.name for entry in proposal.entries],
+            0,
+            dtype=first.dtype,
+            reduce_op=first.reduce_op,
+            prescale=first.prescale,
+            postscale=first.postscale,
+            sizes=[0 if entry.input is None else entry.input.size for entry in proposal.entries],
+            cache_ids=list(proposal.cache_ids),
+        )
+
     # ----- proposing -----
 
-    def propose(self, entry: Entry, cache_id: int) -> bool:
-        """Writes a proposal for ``entry`` (cached under ``cache_id``) if the lane is open.
+    def propose(self, entries: list[Entry], cache_ids: list[int], by_id: bool) -> bool:
+        """Writes a proposal for ``entries`` (cached under ``cache_ids``) if the lane is open.
+
+        Args:
+            entries: one tensor ``carries`` accepts, or tensors ``carries_by_id`` accepts.
+            cache_ids: their cache ids, in order.
+            by_id: propose the ids alone (the data goes through the executor on success).
 
         Returns:
             False when it is not (a proposal pending, a rank gone, or a rank still
-            behind): no proposal was written, and the tensor goes the coordinator's way.
+            behind): no proposal was written, and the tensors go the coordinator's way.
             A busy rank is proposed to all the same: it is usually just finishing its
             last collective, and then answers with its own proposal; if not, it refuses.
         """
@@ -141,16 +226,24 @@ class FastLane:
         for flags in self._peer_flags:
             if flags[_WRITTEN] < seq - 1:
                 return False
-        assert entry.input is not None  # invariant: carries()
         header = self._headers[seq % 2]
-        nbytes = entry.input.nbytes
-        view = self._data[seq % 2][self._domain.index][:nbytes].view(entry.input.dtype)
-        view[...] = entry.input
-        scale(view, entry.request.prescale, entry.dtype)
-        header[_VERDICT] = cache_id
+        mine = self._data[seq % 2][self._domain.index]
+        if by_id:
+            count = len(cache_ids)
+            mine[: 8 * count].view(np.int64)[:] = cache_ids
+            nbytes = sum(0 if entry.input is None else entry.input.nbytes for entry in entries)
+        else:
+            entry = entries[0]
+            assert entry.input is not None  # invariant: carries()
+            count, nbytes = 0, entry.input.nbytes
+            view = mine[:nbytes].view(entry.input.dtype)
+            view[...] = entry.input
+            scale(view, entry.request.prescale, entry.dtype)
+        header[_VERDICT] = cache_ids[0]
         header[_NBYTES] = nbytes
+        header[_COUNT] = count
         self._publish(header, seq)
-        self.pending = Proposal(seq, entry, cache_id, nbytes)
+        self.pending = Proposal(seq, list(entries), list(cache_ids), nbytes, count)
         self._recheck_ms = _RECHECK_MIN_MS
         self._next_recheck = time.perf_counter() + _RECHECK_MIN_MS / 1000.0
         self._wake_busy()  # each refuses, unless it finds itself idle by then (see serve)
@@ -170,6 +263,7 @@ class FastLane:
         header = self._headers[seq % 2]
         header[_VERDICT] = _NO
         header[_NBYTES] = 0
+        header[_COUNT] = 0
         self._publish(header, seq)
 
     def _publish(self, header: memoryview, seq: int) -> None:
@@ -206,19 +300,30 @@ class FastLane:
                 if flags[_LEFT]:
                     return False
                 waiting = True
-            elif header[_VERDICT] != proposal.cache_id or header[_NBYTES] != proposal.nbytes:
+            elif (
+                header[_VERDICT] != proposal.cache_ids[0]
+                or header[_NBYTES] != proposal.nbytes
+                or header[_COUNT] != proposal.count
+            ):
                 return False
-        return None if waiting else True
+        if waiting:
+            return None
+        if proposal.count > 1:  # the first ids agree: so must the rest (fields before number)
+            data = self._data[seq % 2]
+            mine = data[self._domain.index][: 8 * proposal.count]
+            return all(np.array_equal(theirs[: 8 * proposal.count], mine) for theirs in data)
+        return True
 
-    def settle(self) -> tuple[Entry, bool] | None:
+    def settle(self) -> tuple[Proposal, bool] | None:
         """Settles the pending proposal if every rank has answered it.
 
-        On success, writes the reduced tensor into the entry's output (the caller
-        completes its handle).
+        On success of a data proposal, writes the reduced tensor into the entry's output
+        (the caller completes its handle); a by-id proposal's response is the caller's
+        to run (``response``).
 
         Returns:
-            None while it waits; otherwise the entry and whether it succeeded (when not,
-            it goes the coordinator's way).
+            None while it waits; otherwise the proposal and whether it succeeded (when
+            not, its tensors go the coordinator's way).
 
         Raises:
             hora.engine.stall.StalledError: it waited past the stall shutdown time.
@@ -233,7 +338,10 @@ class FastLane:
         self.pending = None
         seq, entry = proposal.seq, proposal.entry
         if not outcome:
-            return entry, False
+            return proposal, False
+        self.succeeded += 1
+        if proposal.count:
+            return proposal, True
         assert entry.output is not None and entry.input is not None  # invariant: carries()
         # Every rank sums the same bytes in the same order: bit-identical results.
         dtype, nbytes = entry.input.dtype, proposal.nbytes
@@ -247,8 +355,7 @@ class FastLane:
         for contribution in data[1:]:
             reduce(out, contribution[:nbytes].view(dtype))
         scale(out, entry.request.postscale, entry.dtype)
-        self.succeeded += 1
-        return entry, True
+        return proposal, True
 
     def _recheck(self, proposal: Proposal) -> None:
         """Now and then while waiting: wakes busy ranks again, and reports a stall."""
@@ -291,6 +398,15 @@ class FastLane:
         while any(h[_SEQ] == seq for h in self._peer_headers[seq % 2]):
             self._refuse(seq)
             seq += 1
+
+    def refuse_by_id(self) -> None:
+        """Refuses the next entry if a rank proposed it by id: a rank with collectives in
+        flight calls this before it runs a response (see "Invariants")."""
+        if self._left or self.pending is not None:
+            return
+        seq = self._flags[_WRITTEN] + 1
+        if any(h[_SEQ] == seq and h[_COUNT] > 0 for h in self._peer_headers[seq % 2]):
+            self._refuse(seq)
 
     def watch(self, caller: bool, on: bool) -> None:
         """Sets or clears the flag that asks writers to wake this rank's sleeping thread
