@@ -453,7 +453,7 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_on_every_rank(room):
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1"),
     )  # fmt: skip
     output = result.stdout + result.stderr
-    for rank in range(2):  # each segment 2.1 MiB: 3 MiB has room for one
+    for rank in range(2):  # each segment 2.6 MiB: 3 MiB has room for one
         assert f"rank {rank}: 3.0 3.0 TcpCollectives" in output, output
     assert "/dev/shm has no room for shared segment" in output and "using TCP" in output, output
     assert "SIGBUS" not in output and "left=0" in output, output

@@ -152,18 +152,20 @@ def test_a_waiting_rank_is_woken_by_the_entry_it_waits_for(lanes):
     assert outcome(a) == (x, True)
 
 
-def test_only_lone_small_global_allreduces_ride_the_lane():
-    assert FastLane.carries(entry([1.0] * 4096))
-    assert not FastLane.carries(entry([1.0] * 4097))  # over 16 KiB
+def test_only_lone_small_global_allreduces_ride_the_lane(lanes):
+    lane = lanes(2)[0]
+    assert lane.data_limit == 256 << 10 and lanes(8)[0].data_limit == 128 << 10  # reads <= 1 MiB
+    assert lane.carries(entry([1.0] * 65536))
+    assert not lane.carries(entry([1.0] * 65537))  # over 256 KiB
     grouped = entry([1.0])
     grouped.request.group = "g"
-    assert not FastLane.carries(grouped)
+    assert not lane.carries(grouped)
     other_set = entry([1.0])
     other_set.request.process_set_id = 1
-    assert not FastLane.carries(other_set)
+    assert not lane.carries(other_set)
     gather = entry([1.0])
     gather.request.type = RequestType.ALLGATHER
-    assert not FastLane.carries(gather)
+    assert not lane.carries(gather)
 
 
 def grouped(sizes: list[int], name: str = "g") -> list[Entry]:
@@ -225,25 +227,26 @@ def test_a_busy_rank_refuses_by_id_proposals_before_a_response_and_leaves_data_p
     assert outcome(a) == (big, False)
 
 
-def test_what_rides_the_lane_by_id():
-    assert not FastLane.carries_by_id([entry([1.0] * 4096)])  # fits a slot: goes with its data
-    assert FastLane.carries_by_id([entry([1.0] * 4097)])
-    assert FastLane.carries_by_id(grouped([1, 1]))  # a whole group, however small
-    assert not FastLane.carries_by_id(grouped([1, 1, 1])[:2])  # part of one
-    assert not FastLane.carries_by_id([*grouped([1]), *grouped([1], "h")])
+def test_what_rides_the_lane_by_id(lanes):
+    lane = lanes(2)[0]
+    assert not lane.carries_by_id([entry([1.0] * 65536)])  # fits a slot: goes with its data
+    assert lane.carries_by_id([entry([1.0] * 65537)])
+    assert lane.carries_by_id(grouped([1, 1]))  # a whole group, however small
+    assert not lane.carries_by_id(grouped([1, 1, 1])[:2])  # part of one
+    assert not lane.carries_by_id([*grouped([1]), *grouped([1], "h")])
     mixed = grouped([1, 1])
     mixed[1].request.dtype = int(DataType.FLOAT64)
-    assert not FastLane.carries_by_id(mixed)
+    assert not lane.carries_by_id(mixed)
     scaled = grouped([1, 1])
     scaled[0].request.postscale = 0.5
-    assert not FastLane.carries_by_id(scaled)
-    other_set = [entry([1.0] * 5000)]
+    assert not lane.carries_by_id(scaled)
+    other_set = [entry([1.0] * 65537)]
     other_set[0].request.process_set_id = 1
-    assert not FastLane.carries_by_id(other_set)
-    gather = [entry([1.0] * 5000)]
+    assert not lane.carries_by_id(other_set)
+    gather = [entry([1.0] * 65537)]
     gather[0].request.type = RequestType.ALLGATHER
-    assert not FastLane.carries_by_id(gather)
-    assert not FastLane.carries_by_id(grouped([1] * (MAX_IDS + 1)))
+    assert not lane.carries_by_id(gather)
+    assert not lane.carries_by_id(grouped([1] * (MAX_IDS + 1)))
 
 
 # ----- ranks -----
@@ -338,11 +341,11 @@ def by_id_job(rounds: int, flags: str) -> list:
     me = hvd.rank()
     out = []
     for step in range(rounds):
-        # A group of small and large tensors (Average), then a lone 64 KiB one (Sum):
+        # A group of small and large tensors (Average), then a lone 1.2 MB one (Sum):
         # after the first step both are cached, and each step starts with every rank idle.
         group = [np.full(n, me + step, dtype=np.float64) for n in (3, 5000, 1)]
         out.append([g.tolist() for g in hvd.grouped_allreduce(group, op=hvd.Average, name="g")])
-        lone = hvd.allreduce(np.full(16384, me * step, dtype=np.float32), op=hvd.Sum, name="lone")
+        lone = hvd.allreduce(np.full(300000, me * step, dtype=np.float32), op=hvd.Sum, name="lone")
         out.append([float(lone.min()), float(lone.max())])
         _idle_barrier(flags, f"step{step}")
     succeeded = current().engine.stats().lane_succeeded

@@ -2,13 +2,14 @@
 
 When every rank of the job shares this machine, an allreduce of a tensor the response
 cache knows (same name and parameters as a negotiated one), small enough for a lane
-slot, skips the coordinator: each rank writes a *proposal* (the tensor's cache id and
+slot (``data_limit``: 256 KiB, less from five ranks on, so that no rank reads more than
+``READ_BUDGET`` to settle it), skips the coordinator: each rank writes a *proposal* (the tensor's cache id and
 its data) into its own lane slot, and once every rank has written one for the same
 slot number, each sums every rank's data, in rank order, into its output. No control
 frame, no response, no executor, no barrier: one write and one wait. Anything the lane
 cannot settle falls back, on every rank alike, to the coordinator's path.
 
-Larger cached allreduces, and whole grouped calls of them, are proposed *by id*: the slot
+Larger cached allreduces, and whole grouped calls of any size, are proposed *by id*: the slot
 holds the tensors' cache ids instead of their data, and once every rank proposed the
 same ids, each builds the response the coordinator would have sent (``response``) and
 runs it through its executor, data phase and all. Since a data phase synchronizes the
@@ -86,6 +87,9 @@ _COUNT = 3  # a by-id proposal's number of cache ids (its data area holds them);
 _NO = -1
 
 MAX_IDS = LANE_DATA_BYTES // 8  # the most tensors one by-id proposal names
+# What one rank may read to settle a data proposal (every rank's data, n times the tensor):
+# past it, the staged algorithm's barriers cost less than the reads (hora.collectives.shm_ops).
+READ_BUDGET = 1 << 20
 
 _RECHECK_MIN_MS = 2.0
 _RECHECK_MAX_MS = 1000.0
@@ -124,6 +128,9 @@ class FastLane:
 
     def __init__(self, domain: Domain, config: Config) -> None:
         self._domain = domain
+        # The same on every rank (one slot size, one job size): ranks agree on which way a
+        # tensor goes, with its data or by id.
+        self.data_limit = min(LANE_DATA_BYTES, READ_BUDGET // len(domain.ranks))
         lanes = {rank: domain.lane(rank) for rank in domain.ranks}
         flags = {rank: lane[0] for rank, lane in lanes.items()}
         headers = {rank: [lane[1][slot][0] for slot in (0, 1)] for rank, lane in lanes.items()}
@@ -142,10 +149,9 @@ class FastLane:
         self._next_recheck = 0.0
         self._stall = StallInspector(config)
 
-    @staticmethod
-    def carries(entry: Entry) -> bool:
+    def carries(self, entry: Entry) -> bool:
         """True for a tensor the lane carries with its data: a lone allreduce of the global
-        set that fits a slot."""
+        set of at most ``data_limit`` bytes."""
         request = entry.request
         return (
             request.type == RequestType.ALLREDUCE
@@ -153,13 +159,12 @@ class FastLane:
             and not request.group
             and entry.input is not None
             and entry.output is not None
-            and entry.input.nbytes <= LANE_DATA_BYTES
+            and entry.input.nbytes <= self.data_limit
         )
 
-    @staticmethod
-    def carries_by_id(entries: Sequence[Entry]) -> bool:
+    def carries_by_id(self, entries: Sequence[Entry]) -> bool:
         """True for tensors the lane can agree on by id: a lone allreduce of the global set
-        too large for a slot, or a whole grouped call of allreduces of the global set,
+        over ``data_limit`` bytes, or a whole grouped call of allreduces of the global set,
         alike in data type, reduce op and scale factors (they run fused)."""
         if not entries or len(entries) > MAX_IDS:
             return False
@@ -167,7 +172,7 @@ class FastLane:
         if first.group:
             if len(entries) != first.group_size:
                 return False
-        elif len(entries) != 1 or entries[0].input is None or entries[0].input.nbytes <= LANE_DATA_BYTES:
+        elif len(entries) != 1 or entries[0].input is None or entries[0].input.nbytes <= self.data_limit:
             return False
         for entry in entries:
             request = entry.request

@@ -54,8 +54,9 @@ PAGE_BYTES = 4096
 HEADER_BYTES = 64 * 1024  # room for 8,000 local ranks' counters, page aligned
 LANE_META = 8  # int64 flags at the start of the fast lane's area
 LANE_SLOT_HEADER = 8  # int64 fields before each lane slot's data (64 bytes: data stays aligned)
-LANE_DATA_BYTES = 16 * 1024  # the largest tensor the fast lane carries
-LANE_BYTES = 9 * 4096  # 64 + 2 * (64 + 16 KiB) rounded up to pages: staging stays page aligned
+LANE_DATA_BYTES = 256 * 1024  # a lane slot's data: the largest tensor the fast lane carries with its data
+# The lane's flags and two slots (header and data each), rounded up to pages: staging stays page aligned.
+LANE_BYTES = -(-(8 * LANE_META + 2 * (8 * LANE_SLOT_HEADER + LANE_DATA_BYTES)) // PAGE_BYTES) * PAGE_BYTES
 SPIN_SECONDS = 50e-6  # spin this long before blocking
 _SLEEP_MIN_MS = 1.0
 _SLEEP_MAX_MS = 100.0
