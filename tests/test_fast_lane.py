@@ -368,6 +368,19 @@ def test_groups_and_large_tensors_agreed_by_id_run_the_data_phase_alike_everywhe
     assert all(r[1] > 0 for r in results), [r[1] for r in results]
 
 
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_with_fusion_off_groups_go_the_coordinators_way_and_lone_tensors_still_by_id(tmp_path):
+    # Unfused, a group's tensors run one by one at the coordinator; on the lane they would run fused.
+    results = run_ranks(2, by_id_job, 4, str(tmp_path), env={"HORA_FUSION_THRESHOLD": "0"}, timeout=100)
+    assert results[0][0] == results[1][0]
+    assert results[0][0][-2:] == [[[3.5] * 3, [3.5] * 5000, [3.5]], [3.0, 3.0]]
+    # The lone 1.2 MB tensors of steps 1-3 at most (step 0 negotiates them), never the groups.
+    # Possibly none: a rank still running its group's last response (a small tensor computed
+    # by the coordinator, no data phase to keep the ranks together) refuses the other's proposal.
+    assert all(r[1] <= 3 for r in results), [r[1] for r in results]
+
+
 def process_set_job(flags: str) -> list:
     import hora.numpy as hvd
     from hora.core.api import current

@@ -128,8 +128,10 @@ class ControlPlane:
         self.cycle_time_ms = config.cycle_time_ms
         self.ride_bytes = config.ride_bytes  # small tensors' data goes with their requests (riders)
         # Larger cached allreduces and groups may go on the lane by id (FastLane.carries_by_id):
-        # not under autotune (its changes come from rank 0 alone), nor with fusion off.
-        self.by_id = not config.autotune and config.fusion_threshold > 0
+        # not under autotune (its changes come from rank 0 alone); groups, which run fused
+        # there, not with fusion off.
+        self.by_id = not config.autotune
+        self.fuses = config.fusion_threshold > 0
         self.hostname = hostname
         self.queue = queue
         self.executor = executor
@@ -519,7 +521,13 @@ class ControlPlane:
         """Proposes ``entries`` on the fast lane if it may carry them; returns whether it did."""
         if self.lane_busy(announcing=len(entries)):
             return False
-        by_id = self.by_id and not self.responses and self.executor.sets.ids() == [0] and lane.carries_by_id(entries)
+        by_id = (
+            self.by_id
+            and (self.fuses or len(entries) == 1)
+            and not self.responses
+            and self.executor.sets.ids() == [0]
+            and lane.carries_by_id(entries)
+        )
         if not by_id and (len(entries) != 1 or not lane.carries(entries[0])):
             return False
         cache_ids = []
