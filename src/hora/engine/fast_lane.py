@@ -41,14 +41,17 @@ Invariants:
 * By-id proposals keep data phases in one order on every rank. A rank proposes by id
   only with nothing else in flight, no response waiting to run, only the global
   process set known, and no autotune (whose parameter changes come from rank 0 alone,
-  outside the order below). A rank with collectives in flight refuses every by-id
-  proposal it can see before it runs any response (``refuse_by_id``). So for a response
-  R and a successful entry t: every rank proposed t before it submitted R's tensor (a
-  rank that submitted R first was busy, saw t before R's response could exist, and
-  refused it), so every rank sees t settled before it runs R and runs t first; or some
-  rank had not written t when another was about to run R, and then t fails. Only the
-  global set matters: with a subset, a member could run R while a non-member's
-  proposal completes t on another member, who would run t first.
+  outside the order below); it settles a by-id proposal (running it on success) before
+  it runs the next response. For a successful entry t and a response R with a data phase
+  (every rank runs it, none finishes before all have started): each rank proposed t
+  before submitting R's tensor or after R finished on it. All before: R's response
+  exists only after every proposal, so every rank sees t settled before R and runs t
+  first. One after: R started everywhere before that proposal existed, so no rank saw t
+  settled at R, and all run R first. With another process set known, a member could run
+  the set's collective while a non-member's proposal completes t for another member,
+  who would run t first: hence that rule. Besides, a rank with collectives in flight
+  refuses any by-id proposal it sees before it runs a response (``refuse_by_id``;
+  refusing is always safe).
 * A rank that waits for entries sleeps with a *watch* flag set; whoever writes an entry
   wakes the ranks whose flag is set. Flag and entry form a pair on each side (set mine,
   then read yours), which x86-64 may reorder (a store may wait in a buffer past a later
