@@ -24,7 +24,9 @@ CASES = ((16, 4 << 20), (64, 1 << 20), (256, 64 << 10))  # (tensors, bytes each)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed repetitions per case")
-    parser.add_argument("--cases", type=_cases, default=CASES, help="COUNTxBYTES,... e.g. 6x4,16x4M (default: %(default)s)")
+    parser.add_argument(
+        "--cases", type=_cases, default=CASES, help="COUNTxBYTES,... e.g. 6x4,16x4M (default: %(default)s)"
+    )
     args = parser.parse_args()
     hvd.init()
     for count, nbytes in args.cases:

@@ -3,14 +3,15 @@
 When every rank of the job shares this machine, an allreduce of a tensor the response
 cache knows (same name and parameters as a negotiated one), small enough for a lane
 slot (``data_limit``: 256 KiB, less from five ranks on, so that no rank reads more than
-``READ_BUDGET`` to settle it), skips the coordinator: each rank writes a *proposal* (the tensor's cache id and
-its data) into its own lane slot, and once every rank has written one for the same
-slot number, each sums every rank's data, in rank order, into its output. No control
-frame, no response, no executor, no barrier: one write and one wait. Anything the lane
-cannot settle falls back, on every rank alike, to the coordinator's path.
+``READ_BUDGET`` to settle it), skips the coordinator: each rank writes a *proposal*
+(the tensor's cache id and its data) into its own lane slot, and once every rank has
+written one for the same slot number, each sums every rank's data, in rank order, into
+its output. No control frame, no response, no executor, no barrier: one write and one
+wait. Anything the lane cannot settle falls back, on every rank alike, to the
+coordinator's path.
 
-Larger cached allreduces, and whole grouped calls of any size, are proposed *by id*: the slot
-holds the tensors' cache ids instead of their data, and once every rank proposed the
+Larger cached allreduces, and whole grouped calls of any size, are proposed *by id*: the
+slot holds the tensors' cache ids instead of their data, and once every rank proposed the
 same ids, each builds the response the coordinator would have sent (``response``) and
 runs it through its executor, data phase and all. Since a data phase synchronizes the
 ranks, every rank must run it at the same point of the response sequence; the rules for
