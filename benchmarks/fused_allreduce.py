@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import hora.numpy as hvd
+from hora.bench.plan import human_bytes, parse_size
 
 CASES = ((16, 4 << 20), (64, 1 << 20), (256, 64 << 10))  # (tensors, bytes each)
 
@@ -42,19 +43,17 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         if hvd.rank() == 0:
             total = count * nbytes / 2**20
-            each = f"{nbytes >> 10:5d} KiB" if nbytes >= 1024 else f"{nbytes:5d} B  "
-            print(f"{count:4d} x {each} ({total:7.2f} MiB): median {statistics.median(times) * 1e3:7.3f} ms")
+            each = human_bytes(nbytes)
+            print(f"{count:4d} x {each:>8} ({total:7.2f} MiB): median {statistics.median(times) * 1e3:7.3f} ms")
     hvd.shutdown()
 
 
 def _cases(text: str) -> tuple[tuple[int, int], ...]:
-    """Parses ``6x4,16x4M``: tensor counts and sizes (bytes, or with K/M)."""
-    units = {"K": 1 << 10, "M": 1 << 20}
+    """Parses ``6x4,16x4M``: tensor counts and sizes (``hora-bench``'s size syntax)."""
     cases = []
     for case in text.split(","):
         count, size = case.lower().split("x")
-        scale = units.get(size[-1:].upper(), 1)
-        cases.append((int(count), int(size[:-1] if scale > 1 else size) * scale))
+        cases.append((int(count), parse_size(size)))
     return tuple(cases)
 
 

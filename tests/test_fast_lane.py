@@ -8,6 +8,7 @@ invalidation, join, shutdown, a killed rank, and a wait nobody drives.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import select
 import signal
@@ -673,3 +674,57 @@ def test_a_rank_that_shuts_down_with_a_proposal_by_id_runs_it_first(size, tmp_pa
     total = float(sum(r + 1 for r in range(size)))
     assert results[1] == ["left"]
     assert all(out == [total, total] for rank, out in enumerate(results) if rank != 1), results
+
+
+def leaving_proposer_loses_a_peer_job(victim: int, flags: str) -> str:
+    import pathlib
+    import time
+
+    import hora.numpy as hvd
+    from hora.core.api import current
+
+    hvd.init()
+    me = hvd.rank()
+    folder = pathlib.Path(flags)
+    for step in range(3):
+        hvd.grouped_allreduce([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+        _idle_barrier(flags, f"step{step}")
+    if me == 1:
+        # Proposes by id and shuts down, so it waits for the others' answers before it
+        # leaves; a peer dies meanwhile, and nothing but hora stops this rank.
+        engine = current().engine
+        hvd.grouped_allreduce_async([np.full(5000, me + 1.0)], op=hvd.Sum, name="g")
+        _wait_until(lambda: engine.stats().lane_pending)
+        (folder / "proposed").touch()
+        start = time.monotonic()
+        try:
+            hvd.shutdown()
+        except hvd.HoraInternalError as exc:
+            return f"{time.monotonic() - start:.3f}\n{exc}"
+        return f"{time.monotonic() - start:.3f}\nleft"
+    _wait_until((folder / "proposed").exists)
+    if me == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # The survivor neither answers the proposal nor leaves (either would end rank 1's wait):
+    # only the loss may.
+    engine = current().engine
+    _wait_until(lambda: engine.failure is not None)
+    return engine.failure or "no failure"
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("victim", [0, 2], ids=["coordinator", "worker"])
+@pytest.mark.timeout(90)
+def test_a_rank_leaving_with_a_proposal_by_id_is_not_held_by_a_dead_peer(victim, tmp_path):
+    # Started as torchrun would: no launcher ends a survivor that waits.
+    results = run_ranks(
+        3, leaving_proposer_loses_a_peer_job, victim, str(tmp_path), check=False, launcher="torchrun", timeout=80
+    )
+    assert results[victim].returncode == -signal.SIGKILL
+    assert results[1].returncode == 0, results[1].output + (results[1].error or "")
+    seconds, outcome = results[1].value.split("\n", 1)
+    assert float(seconds) < 20.0, results[1].value
+    survivor = 2 if victim == 0 else 0
+    message = results[survivor].value
+    assert re.search(rf"rank {victim} (\(the coordinator\) )?on host .* was lost", message), message
+    assert outcome == "left" or re.search(rf"rank {victim} .*was lost", outcome), outcome
