@@ -2,6 +2,8 @@
 
 * Every collective, eagerly and inside ``jit``, for float16/bfloat16/float32/float64 and
   int32/int64, against the same computation done with NumPy on every rank's inputs.
+* Allreduce and broadcast inside ``jit`` reduce in the buffers XLA hands over, and an
+  input the program still reads is left intact.
 * A ``jit`` program of many independent collectives (no data dependencies between them,
   each its own shape, so a swapped name cannot pass), run many times: every run equals
   the eager results; also through the ``io_callback`` fallback.
@@ -188,6 +190,59 @@ def independent_job(runs: int, io_callback: bool) -> list[str]:
 @pytest.mark.parametrize(("size", "io_callback"), [(2, False), (3, False), (2, True)])
 def test_independent_collectives_in_one_jit(size: int, io_callback: bool) -> None:
     results = run_ranks(size, independent_job, JIT_RUNS, io_callback, timeout=300, env=JAX_ENV)
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
+
+
+def in_place_job() -> list[str]:
+    """Allreduce and broadcast inside jit may get an input's buffer as their output's:
+    an input the program reads again stays intact (XLA copies it first), one it does
+    not is reduced in place, a donated argument too."""
+    jax, jnp, hvd = start()
+    n, me = hvd.size(), hvd.rank()
+    problems: list[str] = []
+
+    @jax.jit
+    def program(x: Any, ys: list[Any]) -> tuple[Any, ...]:
+        total = hvd.allreduce(x, op=hvd.Sum)
+        # Computed here and dead after: XLA hands their buffers over. Over 16 KiB in all,
+        # so shared memory reduces them in shares, each rank reducing its own in place.
+        grouped = hvd.grouped_allreduce([y * 2 for y in ys], op=hvd.Sum, prescale_factor=0.5)
+        averaged = hvd.grouped_allreduce([y + 1 for y in ys])
+        root = hvd.broadcast(x, root_rank=n - 1)
+        return x, total, grouped, averaged, root, x + 1
+
+    base = np.arange(12000, dtype=np.float32)
+    for run in range(3):
+        x = jnp.asarray(base + me + run)
+        ys = [jnp.full((5000 + i,), float(me + i + run), jnp.float32) for i in range(3)]
+        x_out, total, grouped, averaged, root, x1 = program(x, ys)
+        expect = {
+            "x": (x_out, base + me + run),
+            "sum": (total, sum(base + r + run for r in range(n))),
+            "root": (root, base + n - 1 + run),
+            "x + 1": (x1, base + me + run + 1),
+        }
+        for i in range(3):
+            values = [float(r + i + run) for r in range(n)]
+            expect[f"grouped {i}"] = (grouped[i], np.full(5000 + i, sum(values), np.float32))
+            expect[f"averaged {i}"] = (averaged[i], np.full(5000 + i, sum(values) / n + 1, np.float32))
+        for what, (got, want) in expect.items():
+            if not np.allclose(np.asarray(got), want):
+                problems.append(f"run {run} {what}: {np.asarray(got)[:4].tolist()} want {np.asarray(want)[:4].tolist()}")
+        if not np.array_equal(np.asarray(x), base + me + run):
+            problems.append(f"run {run}: the input changed to {np.asarray(x)[:4].tolist()}")
+    donated = jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum), donate_argnums=0)
+    got = donated(jnp.full((9000,), float(me + 1), jnp.float32))
+    if not np.allclose(np.asarray(got), n * (n + 1) / 2):
+        problems.append(f"donated: {np.asarray(got)[:4].tolist()}")
+    hvd.shutdown()
+    return problems
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_collectives_in_jit_reduce_in_place_and_keep_live_inputs(size: int) -> None:
+    results = run_ranks(size, in_place_job, timeout=300, env=JAX_ENV)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
 

@@ -85,6 +85,15 @@ def data_type_of(dtype: np.dtype[np.generic]) -> DataType:
     raise ValueError(f"Tensor type {dtype} is not supported (hora moves {supported}).")
 
 
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` is ``a``'s memory, byte for byte: an output aliased to its input
+    (inside ``jax.jit`` they come as two views, one read-only). Outputs are either that
+    or disjoint from the inputs, never partly overlapping."""
+    return a is b or (
+        a.nbytes == b.nbytes and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
+
+
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """Widens bfloat16 bits (uint16) to float32 values, exactly."""
     return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hora.collectives.reduce import Reducer
+from hora.collectives.reduce import Reducer, same_memory
 from hora.collectives.ring import Bounds, even_bounds
 
 
@@ -123,25 +123,27 @@ def allreduce_packed(
     prescale: Callable[[np.ndarray], None] | None,
     postscale: Callable[[np.ndarray], None],
 ) -> None:
-    """Allreduces several tensors, packed straight into the staging halves.
+    """Allreduces several tensors laid end to end, with no private fusion buffer.
 
-    A fused allreduce needs its tensors laid end to end anyway; packing them into this
-    member's staging half instead of a private fusion buffer makes that copy the
-    publication too. Each round: every member packs its window of the tensors, scales
-    it (``prescale``), and after a barrier reduces its share of the window in its own
-    half, from the others' halves, and scales that (``postscale``); after a second
-    barrier every member copies each share's result out of its owner's half into the
-    outputs. Per member that is a pass over the data in, half a pass (two members)
-    reducing, and a pass out: 2.5 passes against 4 when packing privately.
+    The tensors go through the staging halves a window at a time, as if packed: each
+    round, every member publishes the shares of the window that the others reduce,
+    straight from its inputs (scaled by ``prescale`` in its half). After a barrier it
+    reduces its own share from its inputs and the others' halves into its outputs,
+    scales that (``postscale``) and publishes it; after a second barrier it copies the
+    others' results into its outputs. Per member: a pass of copies out of its inputs and
+    into its outputs for the others' shares, (n-1)/n each, its own share read, reduced
+    and published once: 1.5 passes of copies with two members, against 2 when the
+    window is packed whole into the staging half and 4 with a private fusion buffer.
 
     Args:
         inputs: each tensor's flat data; None for a tensor this rank contributes zeros to
             (it joined).
-        outputs: where each tensor's result goes (may be its input); None to drop it.
+        outputs: where each tensor's result goes (may be its input, also a read-only
+            view's writable twin over the same memory); None to drop it.
         lengths: each tensor's element count.
         dtype: the storage type of every tensor.
         reduce: folds its second argument into its first.
-        prescale: scales a packed window in place before reducing; None for no scaling.
+        prescale: scales a contribution in place before reducing; None for no scaling.
         postscale: scales a reduced share in place.
     """
     n, me = group.size, group.rank
@@ -151,23 +153,36 @@ def allreduce_packed(
         half = round_ % 2
         count = min(step, total - start)
         stages = [_typed(group.stage(k, half), dtype, count) for k in range(n)]
+        shares = even_bounds(count, n)
         parts = _parts(lengths, start, count)
+        mine = stages[me]
         for index, within, at, length in parts:
             data = inputs[index]
-            if data is None:
-                stages[me][at : at + length] = 0
-            else:
-                stages[me][at : at + length] = data[within : within + length]
+            for k, (offset, size) in enumerate(shares):
+                lo, hi = max(at, offset), min(at + length, offset + size)
+                if k == me or lo >= hi:
+                    continue
+                if data is None:
+                    mine[lo:hi] = 0
+                else:
+                    mine[lo:hi] = data[within + lo - at : within + hi - at]
         if prescale is not None:
-            prescale(stages[me])
+            for k, (offset, size) in enumerate(shares):
+                if k != me:
+                    prescale(mine[offset : offset + size])
         group.barrier()
-        shares = even_bounds(count, n)
-        offset, length = shares[me]
-        mine = stages[me][offset : offset + length]
-        for k in range(n):
-            if k != me:
-                reduce(mine, stages[k][offset : offset + length])
-        postscale(mine)
+        offset, size = shares[me]
+        for index, within, at, length in parts:
+            lo, hi = max(at, offset), min(at + length, offset + size)
+            if lo >= hi:
+                continue
+            data, target = inputs[index], outputs[index]
+            own = None if data is None else data[within + lo - at : within + hi - at]
+            result = mine[lo:hi] if target is None else target[within + lo - at : within + hi - at]
+            _reduce_own(result, own, [stages[k][lo:hi] for k in range(n) if k != me], reduce, prescale)
+            postscale(result)
+            if target is not None:
+                mine[lo:hi] = result
         group.barrier()
         for index, within, at, length in parts:
             target = outputs[index]
@@ -175,9 +190,33 @@ def allreduce_packed(
                 continue
             for k, (offset, size) in enumerate(shares):
                 lo, hi = max(at, offset), min(at + length, offset + size)
-                if lo < hi:
+                if k != me and lo < hi:
                     target[within + lo - at : within + hi - at] = stages[k][lo:hi]
     group.barrier()
+
+
+def _reduce_own(
+    result: np.ndarray,
+    own: np.ndarray | None,
+    others: list[np.ndarray],
+    reduce: Reducer,
+    prescale: Callable[[np.ndarray], None] | None,
+) -> None:
+    """Writes this member's contribution (zeros for None), scaled by ``prescale``, folded
+    with the others' in member order, into ``result`` (which may be ``own``'s memory)."""
+    if own is None or prescale is not None:
+        if own is None:
+            result[...] = 0
+        elif not same_memory(result, own):
+            result[...] = own
+        if prescale is not None:
+            prescale(result)
+        for other in others:
+            reduce(result, other)
+        return
+    reduce.into(own, others[0], result)
+    for other in others[1:]:
+        reduce(result, other)
 
 
 def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduce: Reducer, output: np.ndarray) -> None:

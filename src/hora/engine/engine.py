@@ -326,9 +326,10 @@ class Engine:
             finally:
                 self._shielded = False
                 self._let_go()
-            if self._caller_error is not None or (control.responses and not getattr(self._drivers, "on", False)):
+            drives = getattr(self._drivers, "on", False)
+            if self._caller_error is not None or (control.responses and not drives):
                 self._sleeper.wake()  # the engine thread executes, unless a waiting caller gets there first
-            elif proposed:
+            elif proposed and not drives:
                 self._sleeper.wake_if_sleeping()  # a sleeping engine thread does not watch the lane yet
         finally:
             if shielded:
@@ -342,9 +343,11 @@ class Engine:
         handles straight away, on a thread that shares its CPU with the engine thread when
         the rank is bound to one core. Waking the engine thread to execute what this thread
         is about to execute itself only costs two context switches and a contended lock per
-        call. Inside the block a submit does not wake it for responses ready to execute:
-        ``drive`` executes them, and wakes the engine thread for anything it leaves. A block
-        that raises wakes it, so what it queued and did not wait for is still executed.
+        call. Inside the block a submit does not wake it for responses ready to execute,
+        nor to watch the fast lane for the answers to its proposal: ``drive`` executes
+        them and watches the lane, and wakes the engine thread for anything it leaves. A
+        block that raises wakes it, so what it queued and did not wait for is still
+        executed.
         """
         self._drivers.on = True
         try:

@@ -23,7 +23,7 @@ import numpy as np
 from hora.collectives import ring
 from hora.engine.algorithms import Collectives
 from hora.engine.cache import RankCache
-from hora.collectives.reduce import SUM, DataType, reducer, scale
+from hora.collectives.reduce import SUM, DataType, reducer, same_memory, scale
 from hora.engine.messages import Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue
@@ -221,7 +221,7 @@ class Executor:
         if only is not None and only.output is not None and only.input is not None:
             # One tensor: reduce in its own output buffer, no packing copy.
             buffer = only.output
-            if buffer is not only.input:
+            if not same_memory(buffer, only.input):
                 np.copyto(buffer, only.input)
         else:
             buffer = self._buffer("_fusion", sum(response.sizes), dtype.storage)
@@ -242,7 +242,7 @@ class Executor:
         offset = 0
         for entry, count in zip(entries, response.sizes):
             if entry is not None and entry.output is not None:
-                if entry.output is not buffer:
+                if not same_memory(entry.output, buffer[offset : offset + count]):
                     np.copyto(entry.output, buffer[offset : offset + count])
                 entry.handle.complete(entry.output.reshape(entry.shape))
             offset += count
@@ -261,7 +261,7 @@ class Executor:
     def _broadcast(self, response: Response, channel: Collectives, entry: Entry) -> None:
         assert entry.input is not None and entry.output is not None  # invariant: set at enqueue
         root = self.sets.ranks(response.process_set_id).index(response.root_rank)  # global -> set rank
-        if channel.rank == root and entry.output is not entry.input:
+        if channel.rank == root and not same_memory(entry.output, entry.input):
             np.copyto(entry.output, entry.input)
         channel.broadcast(entry.output, root)
         entry.handle.complete(entry.output.reshape(entry.shape))

@@ -210,7 +210,13 @@ def check_traced(
             raise
 
 
-def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDtypeStruct], key: str | None) -> list[Any]:
+def run(
+    kernel: Kernel,
+    inputs: Sequence[Any],
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+    key: str | None,
+    in_place: bool = False,
+) -> list[Any]:
     """Runs ``kernel(key, *arrays)``: at once when the inputs are concrete, else as one
     ordered host callback of the program being traced (``host_call``).
 
@@ -221,6 +227,8 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDty
             custom_vjp hands the kernel concrete values: the kernel then runs at once
             but under the drawn key, the one a failed check was sent under
             (``check_traced``), so every rank names the call alike.
+        in_place: the kernel may be handed each input's buffer as its output's
+            (``host_call``).
 
     Returns:
         The kernel's outputs as jax.Arrays (or tracers), one per ``out_shapes``.
@@ -237,7 +245,7 @@ def run(kernel: Kernel, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDty
         with current().caller_drives():
             return kernel(key, *arrays, into=outputs)
 
-    return host_call(body, inputs, out_shapes)
+    return host_call(body, inputs, out_shapes, in_place)
 
 
 def adopt(array: np.ndarray) -> Any:
@@ -250,6 +258,7 @@ def host_call(
     body: Callable[[list[np.ndarray], list[np.ndarray]], list[np.ndarray]],
     inputs: Sequence[Any],
     out_shapes: Sequence[jax.ShapeDtypeStruct],
+    in_place: bool = False,
 ) -> list[Any]:
     """``body(arrays, outputs)`` as one ordered host call of the program being traced.
 
@@ -257,11 +266,20 @@ def host_call(
     reads the program's input buffers in place and may write its results straight into
     ``outputs``, the program's result buffers. Elsewhere an ordered ``io_callback``, with
     no outputs to write into (XLA copies the results in).
+
+    Args:
+        in_place: ``out_shapes`` are the inputs' and the body may find an input's buffer
+            handed over as that output's. XLA then reuses the buffer of an input the
+            program no longer needs (a step's gradients) instead of a fresh one per call,
+            which the body would write into cold, page by page; where the program still
+            needs the input, XLA copies it first. Only for a body whose engine paths all
+            read an element of an input before writing that element of its output
+            (allreduce, broadcast).
     """
     calls = ffi.HostCalls.create()
     if calls is None:
         return list(io_callback(lambda *arrays: body([host_view(a) for a in arrays], []), list(out_shapes), *inputs, ordered=True))
-    return calls.bind(body, inputs, out_shapes)
+    return calls.bind(body, inputs, out_shapes, in_place)
 
 
 def outputs(queued: binding.Queued, grouped: bool) -> list[Any]:

@@ -166,7 +166,7 @@ def _allreduce(
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
-        return bridge.run(kernel, xs, _like(xs), key)
+        return bridge.run(kernel, xs, _like(xs), key, in_place=True)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)
@@ -321,7 +321,7 @@ def _broadcast(
         return bridge.outputs(queued, grouped)
 
     def forward(*xs: Any) -> list[Any]:
-        return bridge.run(kernel, xs, _like(xs), key)
+        return bridge.run(kernel, xs, _like(xs), key, in_place=True)
 
     def backward(dys: list[Any], xs: list[Any], ys: list[Any]) -> list[Any]:
         grads: list[Any] = [None] * len(xs)

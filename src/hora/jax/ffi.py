@@ -240,10 +240,10 @@ class HostCalls:
         primitive = Primitive("hora_collective")
         primitive.multiple_results = True
 
-        def abstract(*avals: Any, body: int, out_avals: tuple[Any, ...]) -> tuple[list[Any], set[Any]]:
+        def abstract(*avals: Any, body: int, out_avals: tuple[Any, ...], in_place: bool) -> tuple[list[Any], set[Any]]:
             return list(out_avals), {effect}
 
-        def lower(ctx: Any, *operands: Any, body: int, out_avals: tuple[Any, ...]) -> list[Any]:
+        def lower(ctx: Any, *operands: Any, body: int, out_avals: tuple[Any, ...], in_place: bool) -> list[Any]:
             token = ctx.tokens_in.get(effect)
             types = [hlo.TokenType.get(), *[mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]]
             op = custom_call(
@@ -253,6 +253,8 @@ class HostCalls:
                 backend_config={"body": ir.IntegerAttr.get(ir.IntegerType.get_signless(64), body)},
                 has_side_effect=True,
                 api_version=4,  # the typed FFI
+                # Operand i + 1 and result i + 1 (0 is the token) share a buffer.
+                operand_output_aliases={i: i for i in range(1, len(operands) + 1)} if in_place else None,
             )
             results = list(op.results)
             ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: results[0]})))
@@ -265,12 +267,19 @@ class HostCalls:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(calls.handler), platform="cpu")  # type: ignore[no-untyped-call]
         return calls
 
-    def bind(self, body: Body, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDtypeStruct]) -> list[Any]:
-        """``body`` as one ordered call of the program being traced; its outputs (tracers)."""
+    def bind(
+        self, body: Body, inputs: Sequence[Any], out_shapes: Sequence[jax.ShapeDtypeStruct], in_place: bool = False
+    ) -> list[Any]:
+        """``body`` as one ordered call of the program being traced; its outputs (tracers).
+
+        Args:
+            in_place: each output has its input's shape and type, and XLA may hand the
+                body an input's buffer as that output's (see the module).
+        """
         ident = next(self._ids)
         self._bodies[ident] = body
         avals = tuple(jax.core.ShapedArray(tuple(s.shape), s.dtype) for s in out_shapes)
-        return list(self._primitive.bind(*inputs, body=ident, out_avals=avals))
+        return list(self._primitive.bind(*inputs, body=ident, out_avals=avals, in_place=in_place))
 
     def handle(self, frame_pointer: Any) -> int | None:
         """The FFI handler: answers XLA's version query, runs a body when executed.
