@@ -229,7 +229,8 @@ def in_place_job() -> list[str]:
             expect[f"averaged {i}"] = (averaged[i], np.full(5000 + i, sum(values) / n + 1, np.float32))
         for what, (got, want) in expect.items():
             if not np.allclose(np.asarray(got), want):
-                problems.append(f"run {run} {what}: {np.asarray(got)[:4].tolist()} want {np.asarray(want)[:4].tolist()}")
+                got_head, want_head = np.asarray(got)[:4].tolist(), np.asarray(want)[:4].tolist()
+                problems.append(f"run {run} {what}: {got_head} want {want_head}")
         if not np.array_equal(np.asarray(x), base + me + run):
             problems.append(f"run {run}: the input changed to {np.asarray(x)[:4].tolist()}")
     donated = jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum), donate_argnums=0)
