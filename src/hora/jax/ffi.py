@@ -14,6 +14,13 @@ and runs the collective's *body*, which reads the inputs in place and writes its
 results into the program's buffers (allreduce and broadcast: the engine writes them
 there directly; the others copy their results in once).
 
+In place. An allreduce's or a broadcast's results are declared aliases of its inputs
+(``operand_output_aliases``): XLA then gives the result the buffer of an input the
+program no longer needs (a step's gradients: mapped and warm) rather than a fresh one
+per call, which the engine would fault in page by page as it writes; an input the
+program still reads XLA copies first. The handler sees the two as a read-only and a
+writable view of the same memory (``hora.collectives.reduce.same_memory``).
+
 Ordering. The call takes and returns JAX's ordering token for ``io_callback(ordered=
 True)`` (``jax._src.callback._OrderedIOEffect``), so hora's calls run in program order,
 one at a time, among themselves and among the program's ordered ``io_callback`` s,
