@@ -627,6 +627,10 @@ class Engine:
         if control.run_pass():
             self._last_work = time.perf_counter()
         control.settle_timeline()
+        if self._stop_requested and control.leaving_since is None and not control.lane_runs_data():
+            # The proposal that deferred leaving has settled in this pass: the next one
+            # leaves, now rather than whenever something next wakes this thread.
+            self._sleeper.wake()
         # Rank 0 is done once it has left and every worker has left too.
         return control.leaving_since is not None and not control.links and not control.responses
 
