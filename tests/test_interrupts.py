@@ -9,6 +9,7 @@ collective must work on every rank.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -140,6 +141,6 @@ def test_ctrl_c_while_a_peer_is_frozen_gives_up_and_fails_the_job():
     assert float(results[1].value.split()[2]) < 10
     message = results[0].value
     assert message is not None and message.startswith("HoraInternalError"), results[0]
-    if "for rank(s) 2, which stopped making progress" in message:
-        return  # the engine thread's data phase (above)
+    if "rank 1 was interrupted" not in message and re.search(r"rank\(s\) 2\b.*stopped making progress", message):
+        return  # the engine thread's data phase (above): rank 2 named, by the stall or by its missed ping
     assert "rank 1 was interrupted (KeyboardInterrupt)" in message and "stopped making progress" in message, message
