@@ -615,9 +615,7 @@ class Engine:
         self._sleeper.drain(events)
         control.absorb(events)
         endings.note_lingering(control)
-        # A by-id lane proposal may have succeeded on the others, who then run its data
-        # phase with this rank: it settles first (as a collective in flight would).
-        if self._stop_requested and control.leaving_since is None and not control.lane_runs_data():
+        if self._leaving_due():
             if self._leaving_lost and control.coordinator is not None and control.links:  # others to tell
                 raise JobFailed(f"rank {self.rank} on host {control.hostname} {self._leaving_how}")
             endings.begin_leaving(control, self._leaving_how)
@@ -627,12 +625,19 @@ class Engine:
         if control.run_pass():
             self._last_work = time.perf_counter()
         control.settle_timeline()
-        if self._stop_requested and control.leaving_since is None and not control.lane_runs_data():
+        if self._leaving_due():
             # The proposal that deferred leaving has settled in this pass: the next one
             # leaves, now rather than whenever something next wakes this thread.
             self._sleeper.wake()
         # Rank 0 is done once it has left and every worker has left too.
         return control.leaving_since is not None and not control.links and not control.responses
+
+    def _leaving_due(self) -> bool:
+        """Whether this rank should begin leaving now: asked to stop, not yet leaving, and
+        no by-id lane proposal pending (it may have succeeded on the others, who then run
+        its data phase with this rank: it settles first, as a collective in flight would)."""
+        control = self.control
+        return self._stop_requested and control.leaving_since is None and not control.lane_runs_data()
 
     def _close(self) -> None:
         control = self.control
