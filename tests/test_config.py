@@ -71,3 +71,8 @@ def test_horovods_cpu_operations_name_hora_transports() -> None:
     assert Config.from_env({"HOROVOD_CPU_OPERATIONS": "mpi", "HORA_TRANSPORT": "builtin"}).transport == "builtin"
     with pytest.raises(ValueError, match=r"HOROVOD_CPU_OPERATIONS='ccl' is not valid: expected one of builtin, mpi"):
         Config.from_env({"HOROVOD_CPU_OPERATIONS": "ccl"})
+    # horovodrun's Gloo launcher sets HOROVOD_CONTROLLER=gloo beside it; alone it still counts.
+    assert Config.from_env({"HOROVOD_CONTROLLER": "mpi"}).transport == "mpi"
+    assert Config.from_env({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "gloo"}).transport == "builtin"
+    with pytest.raises(ValueError, match=r"HOROVOD_CONTROLLER='jsrun' is not valid"):
+        Config.from_env({"HOROVOD_CONTROLLER": "jsrun"})

@@ -48,8 +48,10 @@ def test_ssh_and_network_flags() -> None:
     assert s.forward_env == ("FOO",) and s.env == {"BAR": "1", "BAZ": "a=b"}
     assert s.start_timeout == 12.0
     slot = SlotInfo("a", 0, 4, 0, 2, 0, 2)
-    env = rank_env({"PATH": "/bin"}, s, slot, ("10.0.0.1", 5), b"\x01" * 32)
+    env = rank_env({"PATH": "/bin", "HOROVOD_CONTROLLER": "mpi"}, s, slot, ("10.0.0.1", 5), b"\x01" * 32)
     assert env["HORA_IFACE"] == env["HOROVOD_GLOO_IFACE"] == "eth1,eth0"
+    # What horovodrun's Gloo launcher sets, over a stale value from the launching shell.
+    assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
 
 
 @pytest.mark.parametrize(

@@ -418,8 +418,9 @@ KNOBS: tuple[Knob, ...] = (
     # data plane
     Knob("HORA_TRANSPORT", Choice(("builtin", "mpi"), synonyms=(("gloo", "builtin"),)), "builtin", "data plane",
          "`builtin`: hora's shared memory and TCP; `mpi`: collectives through mpi4py, for jobs started by "
-         "`mpirun` (`horarun --mpi` sets it). Horovod's `HOROVOD_CPU_OPERATIONS` names them `gloo` and `mpi`",
-         ("HOROVOD_CPU_OPERATIONS",), "transport"),
+         "`mpirun` (`horarun --mpi` sets it). Horovod's `HOROVOD_CPU_OPERATIONS` names them `gloo` and `mpi`; "
+         "its `HOROVOD_CONTROLLER` (the library that coordinates, where hora always coordinates itself) "
+         "counts where `HOROVOD_CPU_OPERATIONS` is unset", ("HOROVOD_CPU_OPERATIONS", "HOROVOD_CONTROLLER"), "transport"),
     Knob("HORA_SHARED_MEMORY", Boolean(), True, "data plane",
          "ranks on one machine move data through shared memory; 0 forces TCP", field="shared_memory"),
     Knob("HORA_SHM_STAGING_MB", Integer(1, 4096), None, "data plane",

@@ -236,6 +236,9 @@ def _with_job(
 ) -> dict[str, str]:
     env.update(settings.env or {})
     env.update(topology_env(slot))
+    # As horovodrun's Gloo launcher: these ranks move data with hora's own transport,
+    # whatever Horovod variables the launching shell had (HORA_TRANSPORT still wins).
+    env["HOROVOD_CONTROLLER"] = env["HOROVOD_CPU_OPERATIONS"] = "gloo"
     env["HORA_RENDEZVOUS_ADDR"] = rendezvous[0]
     env["HORA_RENDEZVOUS_PORT"] = str(rendezvous[1])
     env["HORA_SECRET"] = secret.hex()
