@@ -181,6 +181,17 @@ def run_ranks(
     return [r.value for r in results]
 
 
+def freeze(seconds: float) -> None:
+    """Stops this process (SIGSTOP); a helper continues it after ``seconds``, or kills it
+    when ``seconds`` is negative (after the others are done)."""
+    action = f"os.kill({os.getpid()}, signal.SIGCONT)" if seconds >= 0 else f"os.kill({os.getpid()}, signal.SIGKILL)"
+    subprocess.Popen(
+        [sys.executable, "-c", f"import os, signal, time; time.sleep({abs(seconds)}); {action}"],
+        start_new_session=True,
+    )
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _host_env(rank: int, hosts: list[str] | None) -> dict[str, str]:
     """Topology variables for ``rank`` when ranks are spread over named hosts."""
     if hosts is None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import freeze, run_ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -43,20 +43,6 @@ def arm_kill(owner: Any, attribute: str, after: int, when: str = "before", then:
         return result
 
     setattr(owner, attribute, wrapper)
-
-
-def freeze(seconds: float) -> None:
-    """Stops this process (SIGSTOP); a helper continues it after ``seconds``, or kills it
-    when ``seconds`` is negative (after the others are done)."""
-    import subprocess
-    import sys
-
-    action = f"os.kill({os.getpid()}, signal.SIGCONT)" if seconds >= 0 else f"os.kill({os.getpid()}, signal.SIGKILL)"
-    subprocess.Popen(
-        [sys.executable, "-c", f"import os, signal, time; time.sleep({abs(seconds)}); {action}"],
-        start_new_session=True,
-    )
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _point(name: str) -> tuple[Any, str, str]:

@@ -14,16 +14,20 @@
   single-process training on the whole batch (also grouped, with fp16 compression
   (approximately), with ``backward_passes_per_step``, and with Sum).
 * A check that fails on one rank while tracing fails the collective on every rank.
+* A rank killed or frozen while the others run a compiled program's collectives: each
+  survivor's program fails (``JaxRuntimeError`` carrying hora's error, which names the
+  rank), none hangs.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import freeze, run_ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -417,3 +421,40 @@ def test_process_set_and_refusal_while_tracing() -> None:
     results = run_ranks(3, process_set_and_refusal_job, timeout=300, env=JAX_ENV)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems[:30])
+
+
+def lost_rank_in_jit_job(victim: int, frozen: bool) -> str:
+    import os
+    import signal
+    import time
+
+    jax, jnp, hvd = start()
+    xs = [jnp.ones((512, 512), jnp.float32), jnp.ones(1000, jnp.float32)]  # 1 MiB: by id, then a data phase
+    step = jax.jit(lambda *xs: hvd.grouped_allreduce([x * 1.5 for x in xs], op=hvd.Sum))
+    jax.block_until_ready(step(*xs))  # compiled, negotiated and cached on every rank
+    if hvd.rank() == victim:
+        time.sleep(0.3)  # the others are most likely inside the program by then
+        if frozen:
+            freeze(-12.0)  # for good: a helper kills it after the others are done
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(100000):
+            jax.block_until_ready(step(*xs))
+    except Exception as exc:  # noqa: BLE001 - the test reads its class and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["killed", "frozen"])
+@pytest.mark.timeout(120)
+def test_a_rank_lost_inside_jit_fails_every_survivors_program(frozen: bool) -> None:
+    env = {**JAX_ENV, "HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    results = run_ranks(3, lost_rank_in_jit_job, 2, frozen, env=env, check=False, launcher="torchrun", timeout=90)
+    for result in results[:2]:
+        assert result.returncode == 0, result.output + (result.error or "")
+        message = result.value
+        assert message.startswith("JaxRuntimeError: ") and "HoraInternalError: grouped_allreduce" in message, message
+        if frozen:  # the negotiation's stall report or the data phase's probe names it
+            assert re.search(r"Missing ranks:\n2: |rank\(s\) 2(, which stopped| stopped) making progress", message), message
+        else:
+            assert "rank 2 on host" in message and "was lost" in message, message
