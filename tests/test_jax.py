@@ -436,7 +436,8 @@ def lost_rank_in_jit_job(victim: int, frozen: bool) -> str:
         time.sleep(0.3)  # the others are most likely inside the program by then
         if frozen:
             freeze(-12.0)  # for good: a helper kills it after the others are done
-        os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
     try:
         for _ in range(100000):
             jax.block_until_ready(step(*xs))
