@@ -53,6 +53,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per rank (default: CPUs / ranks on this machine)")  # fmt: skip
+    parser.add_argument("--groups", type=int, default=0,
+                        help="hora's and Horovod's DistributedOptimizer(groups=N): N grouped allreduces a step "
+                             "(default: each gradient alone)")  # fmt: skip
 
 
 def worker(engine: str, args: argparse.Namespace) -> None:
@@ -79,7 +82,9 @@ def worker(engine: str, args: argparse.Namespace) -> None:
     model, image = build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size)
     if engine in ("hora", "horovod"):
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), groups=args.groups or None
+        )
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     else:
@@ -275,7 +280,7 @@ def main() -> None:
     forwarded = [
         "--model", args.model, "--batch-size", str(args.batch_size), "--num-warmup-batches",
         str(args.num_warmup_batches), "--num-batches-per-iter", str(args.num_batches_per_iter),
-        "--num-iters", str(args.num_iters), "--threads", str(threads),
+        "--num-iters", str(args.num_iters), "--threads", str(threads), "--groups", str(args.groups),
     ]  # fmt: skip
     names = {
         "hora": "hora DistributedOptimizer",

@@ -76,3 +76,23 @@ def test_horovods_cpu_operations_name_hora_transports() -> None:
     assert Config.from_env({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "gloo"}).transport == "builtin"
     with pytest.raises(ValueError, match=r"HOROVOD_CONTROLLER='jsrun' is not valid"):
         Config.from_env({"HOROVOD_CONTROLLER": "jsrun"})
+
+
+def test_gradient_overlap_follows_the_layout_and_the_cpus() -> None:
+    import dataclasses
+
+    from hora.config import Topology
+    from hora.core.api import gradient_overlap
+
+    def config(size: int, local: int, setting: bool | None = None) -> Config:
+        topology = Topology(size=size, local_size=local, cross_size=size // local)
+        return dataclasses.replace(Config(), topology=topology, gradient_overlap=setting)
+
+    assert not gradient_overlap(config(2, 2), cpus=2)  # one machine, a rank per CPU
+    assert not gradient_overlap(config(4, 4), cpus=2)  # more ranks than CPUs
+    assert gradient_overlap(config(2, 2), cpus=8)  # CPUs to spare
+    assert gradient_overlap(config(4, 2), cpus=2)  # across machines: the network's waits hide behind backward
+    assert gradient_overlap(config(2, 2, True), cpus=2)
+    assert not gradient_overlap(config(2, 2, False), cpus=8)
+    assert Config.from_env({"HORA_GRADIENT_OVERLAP": "0"}).gradient_overlap is False
+    assert Config.from_env({}).gradient_overlap is None

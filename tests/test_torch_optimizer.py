@@ -118,11 +118,14 @@ def _tolerance(name: str) -> float:
     return 2e-3 if "fp16" in name else 1e-10
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
+# Each gradient's allreduce started during backward (1) or all at once by synchronize (0):
+# both set, because which one a job gets by default depends on the machine's CPUs.
+@pytest.mark.parametrize("size, overlap", [(1, "1"), (2, "1"), (2, "0"), (3, "0"), (4, "1")])
 @pytest.mark.timeout(180)
-def test_distributed_training_equals_one_process_on_the_whole_batch(size):
+def test_distributed_training_equals_one_process_on_the_whole_batch(size, overlap):
     names = list(CONFIGS) if size in (2, 4) else ["sgd", "adam bpps=2", "sgd fp16", "sgd groups=2", "sgd sparse"]
-    for rank, errors in enumerate(run_ranks(size, equivalence_job, names, timeout=160)):
+    env = {"HORA_GRADIENT_OVERLAP": overlap}
+    for rank, errors in enumerate(run_ranks(size, equivalence_job, names, timeout=160, env=env)):
         bad = {name: err for name, err in errors.items() if not err <= _tolerance(name)}
         assert not bad, f"rank {rank}: weights differ from the single-process run: {bad}"
 
@@ -266,6 +269,32 @@ def test_optimizer_behaviour():
         assert out["unused grad"] == (3.0 / 2, 1.0)
         assert out["added group grad"] == [1.5, 1.5]
     torch.testing.assert_close(results[0]["synced grad"], results[1]["synced grad"])
+
+
+def deferral_job() -> list[bool]:
+    import hora.torch as hvd
+
+    setup_rank()
+    hvd.init()
+    model = _model(torch.float64)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    x, y = _batch(0, 0, hvd.size(), torch.float64, False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    started = [handle is not None for handle, _ in optimizer._handles.values()]
+    optimizer.step()
+    hvd.shutdown()
+    return started
+
+
+@pytest.mark.parametrize("overlap", ["1", "0"])
+@pytest.mark.timeout(60)
+def test_gradients_start_during_backward_only_with_overlap(overlap):
+    # Four gradients ready after backward: started already (overlap), or left to step()'s
+    # synchronize, which starts them together (the results are the same: see above).
+    for started in run_ranks(2, deferral_job, env={"HORA_GRADIENT_OVERLAP": overlap}, timeout=50):
+        assert started == [overlap == "1"] * 4, started
 
 
 def process_set_job() -> list[float]:
@@ -503,7 +532,11 @@ def side_effects_job() -> dict:
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.timeout(120)
 def test_side_effects_and_attributes_are_horovods(size):
-    for rank, out in enumerate(run_ranks(size, side_effects_job, timeout=100)):
+    # Horovod's way: each allreduce starts in its gradient's hook (with HORA_GRADIENT_OVERLAP=0,
+    # which machines without CPUs to spare get by default, "handles started" stay unstarted
+    # until step(): test_gradients_start_during_backward_only_with_overlap).
+    env = {"HORA_GRADIENT_OVERLAP": "1"}
+    for rank, out in enumerate(run_ranks(size, side_effects_job, timeout=100, env=env)):
         assert out["grads"] == [((3, 4), 0.0), None, ((2, 3), 0.0), ((2,), 0.0)], (rank, out["grads"])
         assert out["values kept"], rank
         assert out["lr"] == pytest.approx(0.1 * size), rank

@@ -116,6 +116,7 @@ class Config:
     elastic_generation: int | None = None
     start_timeout: float = 30.0
     disable_group_fusion: bool = False
+    gradient_overlap: bool | None = None  # None: chosen by the job's layout and the CPUs (core.api)
     extras: Extras = Extras()
     hierarchical_allreduce: bool | None = None
     hierarchical_allgather: bool | None = None

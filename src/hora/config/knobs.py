@@ -309,6 +309,13 @@ KNOBS: tuple[Knob, ...] = (
          "(hora has no fixed cycle)", ("HOROVOD_CYCLE_TIME",), "cycle_time_ms",
          options=(Option(("--cycle-time-ms",), "ms to gather tensors before negotiating", "MS"),),
          yaml="params.cycle_time_ms"),
+    Knob("HORA_GRADIENT_OVERLAP", Boolean(), None, "runtime",
+         "PyTorch's `DistributedOptimizer` (without `groups`): 1 starts each gradient's allreduce as backward "
+         "computes it, beside the rest of backward (Horovod's way); 0 starts them together when `step()` or "
+         "`synchronize()` needs them, negotiated and fused as one. Unset: 0 when every rank of the job is on "
+         "this machine and there are at least as many of them as usable CPUs (the reductions then run on the "
+         "cores backward needs, and one costs less CPU than one per gradient), else 1",
+         field="gradient_overlap", shown_default="unset"),
     Knob("HORA_CACHE_CAPACITY", Integer(), 1024, "runtime",
          "how many distinct tensors the response cache holds (the first ones seen; 0 disables it): a cached "
          "tensor sent unchanged negotiates by id and skips cross-rank validation; with every rank on one "

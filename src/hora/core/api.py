@@ -27,6 +27,7 @@ from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import CALLED_SHUTDOWN
 from hora.engine.messages import RequestType
+from hora.engine.waiting import machine_cpus
 from hora.engine.handles import Handle
 from hora.errors import CollectiveMismatchError, HoraInternalError
 from hora.core import mpi_comm
@@ -377,6 +378,29 @@ def local_rank() -> int:
 def cross_rank() -> int:
     """The index of this host among the hosts that have a rank with this local rank."""
     return current().topology.cross_rank
+
+
+def gradient_overlap(config: Config | None = None, cpus: int | None = None) -> bool:
+    """Whether a ``DistributedOptimizer`` starts each gradient's allreduce during backward.
+
+    ``HORA_GRADIENT_OVERLAP`` when set. Otherwise not where every rank is on this machine
+    and they have no CPU to spare (at least as many local ranks as usable CPUs): moving
+    data through shared memory is CPU work, which beside backward only takes cores that
+    backward needs, and a negotiation and a data phase per gradient cost more CPU than
+    one for them all. Across machines, waiting on the network costs no CPU, and overlap
+    hides it behind backward, as in Horovod.
+
+    Args:
+        config: the job's configuration (default: the running job's).
+        cpus: the CPUs this machine's ranks may use (default: ``machine_cpus()``).
+    """
+    config = current().config if config is None else config
+    if config.gradient_overlap is not None:
+        return config.gradient_overlap
+    topology = config.topology
+    if topology.local_size < topology.size:
+        return True
+    return topology.local_size < (machine_cpus() if cpus is None else cpus)
 
 
 def is_homogeneous() -> bool:

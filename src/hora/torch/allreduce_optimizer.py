@@ -10,7 +10,9 @@ optimizer, and LR schedulers bind to the wrapper and change the shared ``lr``.
 A post-accumulate-grad hook on every parameter starts the allreduce of its gradient
 (in place, asynchronously) as soon as backward has accumulated it, so communication
 overlaps the rest of the backward pass and the engine fuses the gradients that are
-ready together. ``step()`` waits for them, then steps the wrapped optimizer.
+ready together. ``step()`` waits for them, then steps the wrapped optimizer. Where
+overlapping only takes CPU that backward needs (``hora.core.api.gradient_overlap``),
+the hook only counts the gradient, and ``synchronize()`` starts every one in one batch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hora.core.api import broadcast_object, current, size, synchronize
+from hora.core.api import broadcast_object, current, gradient_overlap, size, synchronize
 from hora.collectives.reduce import AVERAGE
 from hora.compression import Compressor
 from hora.errors import HoraInternalError
@@ -89,6 +91,9 @@ class _DistributedOptimizer(WrappedOptimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._groups = _check_groups(groups)
+        # Each gradient's allreduce waits for synchronize() (then all start at once) where
+        # overlapping them with backward would only cost CPU (hora.core.api.gradient_overlap).
+        self._deferred = self._groups is None and not gradient_overlap()
         self._p_to_group: dict[torch.Tensor, Unit] = {}
         self._group_counts: dict[Unit, int] = {}
         # Every reduced parameter in exactly one unit; the same units in the same order on
@@ -163,7 +168,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         if self._allreduce_delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
         self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] == 0:
+        if self._allreduce_delay[p] == 0 and not self._deferred:
             if self._groups is None:
                 self._handles[p] = self._launch((p,))
                 return
@@ -257,14 +262,16 @@ class _DistributedOptimizer(WrappedOptimizer):
             return
         grouped = self._groups is not None
         try:
-            for unit in self._units:  # the same order on every rank
-                key = unit if grouped else unit[0]
-                launched = self._handles.get(key)
-                if launched is None or launched[0] is None:
-                    self._handles[key] = self._launch(unit)
-                    if grouped:
-                        for member in unit:
-                            self._handles.pop(member, None)
+            # Deferred gradients go to the engine in one batch: negotiated and fused as one.
+            with current().batch() if self._deferred else contextlib.nullcontext():
+                for unit in self._units:  # the same order on every rank
+                    key = unit if grouped else unit[0]
+                    launched = self._handles.get(key)
+                    if launched is None or launched[0] is None:
+                        self._handles[key] = self._launch(unit)
+                        if grouped:
+                            for member in unit:
+                                self._handles.pop(member, None)
             for unit in self._units:
                 handle, ctx = self._handles[unit if grouped else unit[0]]
                 self._finish(unit, handle, ctx)
