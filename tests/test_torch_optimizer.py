@@ -288,13 +288,23 @@ def deferral_job() -> list[bool]:
     return started
 
 
-@pytest.mark.parametrize("overlap", ["1", "0"])
+@pytest.mark.parametrize("overlap", ["1", "0", "auto"])
 @pytest.mark.timeout(60)
 def test_gradients_start_during_backward_only_with_overlap(overlap):
     # Four gradients ready after backward: started already (overlap), or left to step()'s
     # synchronize, which starts them together (the results are the same: see above).
-    for started in run_ranks(2, deferral_job, env={"HORA_GRADIENT_OVERLAP": overlap}, timeout=50):
-        assert started == [overlap == "1"] * 4, started
+    if overlap == "auto":
+        from hora.engine.waiting import machine_cpus
+
+        # Launched with no local variables: init finds the 2 local ranks from the hosts.
+        env = {"LOCAL_RANK": "", "LOCAL_WORLD_SIZE": ""}
+        results = run_ranks(2, deferral_job, env=env, launcher="torchrun", timeout=50)
+        expected = 2 < machine_cpus()
+    else:
+        results = run_ranks(2, deferral_job, env={"HORA_GRADIENT_OVERLAP": overlap}, timeout=50)
+        expected = overlap == "1"
+    for started in results:
+        assert started == [expected] * 4, started
 
 
 def process_set_job() -> list[float]:

@@ -391,13 +391,18 @@ def gradient_overlap(config: Config | None = None, cpus: int | None = None) -> b
     hides it behind backward, as in Horovod.
 
     Args:
-        config: the job's configuration (default: the running job's).
+        config: a job's configuration, its topology included (default: the running job's
+            configuration, with the topology ``init`` found from the ranks' hosts, which
+            launchers that set no local variables leave out of the configuration).
         cpus: the CPUs this machine's ranks may use (default: ``machine_cpus()``).
     """
-    config = current().config if config is None else config
+    if config is None:
+        runtime = current()
+        config, topology = runtime.config, runtime.topology
+    else:
+        topology = config.topology
     if config.gradient_overlap is not None:
         return config.gradient_overlap
-    topology = config.topology
     if topology.local_size < topology.size:
         return True
     return topology.local_size < (machine_cpus() if cpus is None else cpus)
