@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hora.engine.waiting import SPIN_BACKOFF, SPIN_WINDOW, Spin, machine_cpus
+from hora.engine.waiting import SPIN_BACKOFF, SPIN_WINDOW, Spin, barrier_spin, machine_cpus
+from hora.transport.shm import SPIN_SECONDS
 
 
 class Clock:
@@ -56,6 +57,18 @@ def test_a_spin_the_user_set_never_changes():
     none = Spin(0.0, adapts=True, clock=Clock())
     score(none, SPIN_WINDOW, 0)
     assert none.seconds == 0.0
+
+
+def test_a_barrier_spins_as_long_as_the_rank_spins_after_work_and_never_less_than_its_own_spin():
+    clock = Clock()
+    spin = Spin(300e-6, adapts=True, clock=clock)
+    barrier = barrier_spin(spin)
+    assert barrier() == 300e-6
+    score(spin, 0, SPIN_WINDOW)  # callers' spins run out: the rank stops spinning a while
+    assert barrier() == SPIN_SECONDS
+    clock.now += SPIN_BACKOFF
+    assert barrier() == 300e-6
+    assert barrier_spin(Spin(0.0, adapts=False))() == SPIN_SECONDS  # ranks outnumber CPUs, or HORA_SPIN_US=0
 
 
 def cgroups(tmp_path: Path, lines: str, files: dict[str, str]) -> int:

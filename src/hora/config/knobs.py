@@ -327,7 +327,8 @@ KNOBS: tuple[Knob, ...] = (
          yaml="params.cache_capacity"),
     Knob("HORA_SPIN_US", Integer(0, 1_000_000), None, "runtime",
          "microseconds a rank's threads keep polling after work before they sleep (waking from sleep costs "
-         "tens of microseconds on each side); 0 where ranks get less CPU than the machine shows them (CPU "
+         "tens of microseconds on each side), and a shared-memory barrier inside a data phase before it sleeps "
+         "(at least 50); 0 where ranks get less CPU than the machine shows them (CPU "
          "quotas, several emulated hosts on one machine), where a polling rank takes the CPU its peer needs",
          (), "spin_us", shown_default="300, or 0 with more local ranks than cores"),
     Knob("HORA_SOCKET_BUFFER_BYTES", Integer(0, 1 << 30), 0, "runtime",

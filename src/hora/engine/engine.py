@@ -58,7 +58,7 @@ from hora.engine.mpi_collectives import MpiWorld
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue, internal_error
 from hora.engine.stall import DataPhaseStall, StallInspector
-from hora.engine.waiting import PARK_SECONDS, Sleeper, Spin, machine_cpus, spin_after_work
+from hora.engine.waiting import PARK_SECONDS, Sleeper, Spin, barrier_spin, machine_cpus, spin_after_work
 from hora.transport.mesh import Mesh
 from hora.transport.shm import Domain
 from hora.transport.tcp import Link, Watch
@@ -191,6 +191,8 @@ class Engine:
             spin = Spin(config.spin_us * 1e-6, adapts=False)  # HORA_SPIN_US: the user's choice
         else:
             spin = Spin(spin_after_work(local_ranks, machine_cpus()), adapts=True)
+        if domain is not None:
+            domain.spin = barrier_spin(spin)
         self._sleeper = Sleeper(self.control.by_fd, self.queue, lane, domain, self._shield, spin)
         self.control.on_unregister = self._sleeper.unregister
         # Held by the thread running an engine pass (the engine thread or a caller).

@@ -57,7 +57,9 @@ LANE_SLOT_HEADER = 8  # int64 fields before each lane slot's data (64 bytes: dat
 LANE_DATA_BYTES = 256 * 1024  # a lane slot's data: the largest tensor the fast lane carries with its data
 # The lane's flags and two slots (header and data each), rounded up to pages: staging stays page aligned.
 LANE_BYTES = -(-(8 * LANE_META + 2 * (8 * LANE_SLOT_HEADER + LANE_DATA_BYTES)) // PAGE_BYTES) * PAGE_BYTES
-SPIN_SECONDS = 50e-6  # spin this long before blocking
+# A barrier spins at least this long before it blocks (longer where the engine's policy
+# says each rank has a CPU of its own: ``Domain.spin``).
+SPIN_SECONDS = 50e-6
 _SLEEP_MIN_MS = 1.0
 _SLEEP_MAX_MS = 100.0
 _SLEEPING = HEADER_BYTES // 8 - 1  # index of the sleeping flag in the int64 header
@@ -217,6 +219,9 @@ class Domain:
         self._arrived = self.segments[me].counters  # row ``me``: written only by this rank
         self._fence_lock = threading.Lock()
         self.watch: Watch | None = None
+        # How long a barrier spins before it sleeps, asked at each wait (the engine sets its
+        # policy: hora.engine.waiting.barrier_spin).
+        self.spin: Callable[[], float] = lambda: SPIN_SECONDS
 
     def _address(self, rank: int) -> str:
         return "\0" + segment_name(self._key, self._generation, rank)
@@ -315,7 +320,7 @@ class Domain:
             LinkClosed: a peer it waits for died.
             Exception: whatever the watch raises.
         """
-        deadline = time.perf_counter() + SPIN_SECONDS
+        deadline = time.perf_counter() + self.spin()
         while time.perf_counter() < deadline:
             if check():
                 return
