@@ -360,3 +360,89 @@ def test_shared_memory_packed_allreduce(size: int, dtype: DataType, in_place: bo
             expected = np.trunc(want * factor) if dtype == DataType.INT64 else want * factor
             assert np.array_equal(got.astype(np.float64), expected), f"rank {rank}, tensor {index}"
             assert np.array_equal(outputs[index], results[size - 1][index])  # bit-identical on every rank
+
+
+class SerialRanks:
+    """Thread ranks that run one at a time between barriers, in a fresh random order
+    after every barrier. A collective that is correct under every such order has no
+    rank write memory that another reads between the same two barriers (the order would
+    decide what the reader saw), so a few random orders find such a race for certain
+    where free-running threads find it by luck."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self._size, self._rng = size, np.random.default_rng(seed)
+        self._cond = threading.Condition()
+        self._order, self._turn, self._epoch = self._shuffled(), 0, 0
+
+    def _shuffled(self) -> list[int]:
+        return [int(r) for r in self._rng.permutation(self._size)]
+
+    def _wait_turn(self, rank: int, epoch: int) -> None:
+        assert self._cond.wait_for(lambda: self._epoch >= epoch and self._order[self._turn] == rank, timeout=10)
+
+    def _pass_turn(self) -> None:
+        self._turn += 1
+        if self._turn == self._size:  # every rank reached the barrier: the next round's order
+            self._order, self._turn, self._epoch = self._shuffled(), 0, self._epoch + 1
+        self._cond.notify_all()
+
+    def enter(self, rank: int) -> None:
+        with self._cond:
+            self._wait_turn(rank, 0)
+
+    def barrier(self, rank: int) -> None:
+        with self._cond:
+            epoch = self._epoch
+            self._pass_turn()
+            self._wait_turn(rank, epoch + 1)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._pass_turn()
+
+
+class SerialGroup(ThreadGroup):
+    def __init__(self, rank: int, halves: list[list[np.ndarray]], serial: SerialRanks) -> None:
+        super().__init__(rank, halves, threading.Barrier(1))
+        self._serial = serial
+
+    def barrier(self) -> None:
+        self._serial.barrier(self.rank)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_shared_memory_allreduce_has_no_race_between_barriers(size: int, packed: bool) -> None:
+    # 1 KiB halves: 256 float32 per round; 1000 elements make 4 rounds, the last one short.
+    from hora.collectives import shm_ops
+    from hora.collectives.reduce import scale
+
+    lengths = [1000] if not packed else [300, 517, 64, 3, 116]
+    total = sum(lengths)
+    for seed in range(12):
+        serial = SerialRanks(size, seed)
+        halves = [[np.full(1024, 0xEE, dtype=np.uint8) for _ in range(2)] for _ in range(size)]
+
+        def job(rank: int) -> list[np.ndarray]:
+            flat = (np.arange(total) % 29 + 7 * rank).astype(np.float32)
+            group = SerialGroup(rank, halves, serial)
+            serial.enter(rank)
+            try:
+                if packed:
+                    parts = np.split(flat, np.cumsum(lengths)[:-1])
+                    outputs = [np.full(n, 99, dtype=np.float32) for n in lengths]
+                    shm_ops.allreduce_packed(
+                        group, list(parts), list(outputs), lengths, np.dtype(np.float32), reducer(SUM, DataType.FLOAT32),
+                        None, lambda piece: scale(piece, 0.5, DataType.FLOAT32),
+                    )  # fmt: skip
+                    return outputs
+                shm_ops.allreduce(group, flat, reducer(SUM, DataType.FLOAT32), lambda piece: scale(piece, 0.5, DataType.FLOAT32))
+                return [flat]
+            finally:
+                serial.leave()
+
+        results = run_ranks(size, job)
+        want = sum((np.arange(total) % 29 + 7 * r).astype(np.float64) for r in range(size)) * 0.5
+        for rank, outputs in enumerate(results):
+            got = np.concatenate(outputs)  # type: ignore[arg-type]
+            assert np.array_equal(got, want), f"seed {seed}, rank {rank}"

@@ -12,6 +12,17 @@ rounds later, after passing the next round's barrier, which every member reaches
 after it finished reading that half. Every collective ends with one more barrier, so
 the next one (of any process set) may refill either half at once.
 
+An allreduce's round has two steps, reducing a share and then collecting the others'
+reduced shares; it overlaps each with the neighbouring rounds so that a round still
+costs one barrier (``_rounds``). After round r's barrier each member collects round
+r - 1's results, reduces its share of round r (publishing the result in its half r % 2)
+and publishes round r + 1's shares for the others (in its other half). Each share has
+a fixed place in a half, where it lies in a full round (``_slots``): round r's result
+(this member's place) and round r + 2's shares (the others' places), both written into
+half r % 2 between the same two barriers, never overlap, and every other write lands
+in memory whose readers passed the barrier before it (tests/test_algorithms.py runs the
+ranks one at a time in random orders between barriers to check that).
+
 Small allreduces take a shorter path: every member reads every contribution and sums
 them itself, in member order (so results stay identical on every rank): one barrier
 less, and no member waits for another's reduction.
@@ -86,30 +97,78 @@ def allreduce(
         group.barrier()
         return
     step = _capacity(group, buffer.dtype)
-    for round_, start in enumerate(range(0, buffer.size, step)):
-        half = round_ % 2
-        chunk = buffer[start : start + step]
-        stages = [_typed(group.stage(k, half), buffer.dtype, chunk.size) for k in range(n)]
-        bounds = [slice(offset, offset + length) for offset, length in even_bounds(chunk.size, n)]
-        # Publish only the shares others reduce; this rank's own share stays private.
+    slots = _slots(step, n)
+
+    def stage(k: int, half: int) -> np.ndarray:
+        return _typed(group.stage(k, half), buffer.dtype, step)
+
+    def shares(start: int) -> Bounds:
+        return even_bounds(min(step, buffer.size - start), n)
+
+    def publish(start: int, half: int) -> None:
+        # Only the shares others reduce; this rank's own share stays private.
+        mine = stage(me, half)
+        for k, (offset, length) in enumerate(shares(start)):
+            if k != me:
+                mine[slots[k] : slots[k] + length] = buffer[start + offset : start + offset + length]
+
+    def reduce_own(start: int, half: int) -> None:
+        # In place in the private buffer (an in-place ufunc writes memory it has just read,
+        # which costs less than writing a third buffer), then published for the others.
+        offset, length = shares(start)[me]
+        own = buffer[start + offset : start + offset + length]
         for k in range(n):
             if k != me:
-                stages[me][bounds[k]] = chunk[bounds[k]]
-        group.barrier()
-        # Reduce this rank's share in place in its private buffer (an in-place ufunc
-        # writes memory it has just read, which costs less than writing a third buffer),
-        # then publish the result for the others.
-        mine = chunk[bounds[me]]
-        for k in range(n):
-            if k != me:
-                reduce(mine, stages[k][bounds[me]])
+                reduce(own, stage(k, half)[slots[me] : slots[me] + length])
         if postscale is not None:
-            postscale(mine)
-        stages[me][bounds[me]] = mine
-        group.barrier()
-        for k in range(n):
+            postscale(own)
+        stage(me, half)[slots[me] : slots[me] + length] = own
+
+    def collect(start: int, half: int) -> None:
+        for k, (offset, length) in enumerate(shares(start)):
             if k != me:
-                chunk[bounds[k]] = stages[k][bounds[k]]
+                buffer[start + offset : start + offset + length] = stage(k, half)[slots[k] : slots[k] + length]
+
+    _rounds(group, list(range(0, buffer.size, step)), publish, reduce_own, collect)
+
+
+def _slots(step: int, n: int) -> list[int]:
+    """Where each member's share of a round lies in a staging half: where it lies in a full
+    round of ``step`` elements, also in a shorter last round (whose shares are no longer)."""
+    return [offset for offset, _ in even_bounds(step, n)]
+
+
+def _rounds(
+    group: SharedGroup,
+    starts: list[int],
+    publish: Callable[[int, int], None],
+    reduce_own: Callable[[int, int], None],
+    collect: Callable[[int, int], None],
+) -> None:
+    """Runs an allreduce's rounds, one barrier each (see the module).
+
+    Args:
+        starts: each round's first element.
+        publish: ``(start, half)``: puts the shares of that round that others reduce into
+            this member's half.
+        reduce_own: ``(start, half)``: reduces this member's share of that round from the
+            others' halves and publishes the result in its own half.
+        collect: ``(start, half)``: copies the others' results of that round out of their
+            halves.
+    """
+    if not starts:
+        group.barrier()
+        return
+    publish(starts[0], 0)
+    for round_, start in enumerate(starts):
+        group.barrier()
+        if round_:
+            collect(starts[round_ - 1], (round_ - 1) % 2)
+        reduce_own(start, round_ % 2)
+        if round_ + 1 < len(starts):
+            publish(starts[round_ + 1], (round_ + 1) % 2)
+    group.barrier()
+    collect(starts[-1], (len(starts) - 1) % 2)
     group.barrier()
 
 
@@ -129,7 +188,7 @@ def allreduce_packed(
     round, every member publishes the shares of the window that the others reduce,
     straight from its inputs (scaled by ``prescale`` in its half). After a barrier it
     reduces its own share from its inputs and the others' halves into its outputs,
-    scales that (``postscale``) and publishes it; after a second barrier it copies the
+    scales that (``postscale``) and publishes it; after the next barrier it copies the
     others' results into its outputs. Per member: a pass of copies out of its inputs and
     into its outputs for the others' shares, (n-1)/n each, its own share read, reduced
     and published once: 1.5 passes of copies with two members, against 2 when the
@@ -148,42 +207,55 @@ def allreduce_packed(
     """
     n, me = group.size, group.rank
     step = _capacity(group, dtype)
+    slots = _slots(step, n)
     total = sum(lengths)
-    for round_, start in enumerate(range(0, total, step)):
-        half = round_ % 2
+
+    def stage(k: int, half: int) -> np.ndarray:
+        return _typed(group.stage(k, half), dtype, step)
+
+    def layout(start: int) -> tuple[Bounds, list[tuple[int, int, int, int]]]:
         count = min(step, total - start)
-        stages = [_typed(group.stage(k, half), dtype, count) for k in range(n)]
-        shares = even_bounds(count, n)
-        parts = _parts(lengths, start, count)
-        mine = stages[me]
+        return even_bounds(count, n), _parts(lengths, start, count)
+
+    def publish(start: int, half: int) -> None:
+        shares, parts = layout(start)
+        mine = stage(me, half)
         for index, within, at, length in parts:
             data = inputs[index]
             for k, (offset, size) in enumerate(shares):
                 lo, hi = max(at, offset), min(at + length, offset + size)
                 if k == me or lo >= hi:
                     continue
+                into = mine[slots[k] + lo - offset : slots[k] + hi - offset]
                 if data is None:
-                    mine[lo:hi] = 0
+                    into[...] = 0
                 else:
-                    mine[lo:hi] = data[within + lo - at : within + hi - at]
+                    into[...] = data[within + lo - at : within + hi - at]
         if prescale is not None:
-            for k, (offset, size) in enumerate(shares):
+            for k, (_, size) in enumerate(shares):
                 if k != me:
-                    prescale(mine[offset : offset + size])
-        group.barrier()
+                    prescale(mine[slots[k] : slots[k] + size])
+
+    def reduce_own(start: int, half: int) -> None:
+        shares, parts = layout(start)
         offset, size = shares[me]
+        at_stage = slots[me] - offset  # element e of the window lies at at_stage + e in a half
+        mine = stage(me, half)
+        others = [stage(k, half) for k in range(n) if k != me]
         for index, within, at, length in parts:
             lo, hi = max(at, offset), min(at + length, offset + size)
             if lo >= hi:
                 continue
             data, target = inputs[index], outputs[index]
             own = None if data is None else data[within + lo - at : within + hi - at]
-            result = mine[lo:hi] if target is None else target[within + lo - at : within + hi - at]
-            _reduce_own(result, own, [stages[k][lo:hi] for k in range(n) if k != me], reduce, prescale)
+            result = mine[at_stage + lo : at_stage + hi] if target is None else target[within + lo - at : within + hi - at]
+            _reduce_own(result, own, [other[at_stage + lo : at_stage + hi] for other in others], reduce, prescale)
             postscale(result)
             if target is not None:
-                mine[lo:hi] = result
-        group.barrier()
+                mine[at_stage + lo : at_stage + hi] = result
+
+    def collect(start: int, half: int) -> None:
+        shares, parts = layout(start)
         for index, within, at, length in parts:
             target = outputs[index]
             if target is None:
@@ -191,8 +263,10 @@ def allreduce_packed(
             for k, (offset, size) in enumerate(shares):
                 lo, hi = max(at, offset), min(at + length, offset + size)
                 if k != me and lo < hi:
-                    target[within + lo - at : within + hi - at] = stages[k][lo:hi]
-    group.barrier()
+                    theirs = stage(k, half)
+                    target[within + lo - at : within + hi - at] = theirs[slots[k] + lo - offset : slots[k] + hi - offset]
+
+    _rounds(group, list(range(0, total, step)), publish, reduce_own, collect)
 
 
 def _reduce_own(
