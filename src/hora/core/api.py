@@ -27,8 +27,8 @@ from hora.collectives.reduce import DataType
 from hora.config import Config
 from hora.engine.engine import CALLED_SHUTDOWN
 from hora.engine.messages import RequestType
-from hora.engine.waiting import machine_cpus
 from hora.engine.handles import Handle
+from hora.engine.waiting import machine_cpus
 from hora.errors import CollectiveMismatchError, HoraInternalError
 from hora.core import mpi_comm
 from hora.core.process_sets import ProcessSet, global_process_set
