@@ -27,6 +27,15 @@ mpi4jax is not among the project's requirements: ``pip install mpi4jax`` builds 
 source with ``mpicc`` (on a machine that has ``/usr/local/cuda`` without CUDA's headers its
 setup.py tries a CUDA build and fails: build from the sdist with ``get_cuda_info`` returning
 no CUDA).
+
+``--interleaved`` measures the step another way, for machines whose speed drifts by more
+than the engines differ (the same step 17 ms in one run and 21 ms in the next): hora and
+mpi4jax train side by side in the same two processes (one ``mpirun`` job, ranks bound to
+cores), in blocks of ``--block`` steps that alternate between them, with a third step that
+averages nothing (the floor: what both add is communication). Drift then hits both
+engines in the same minutes::
+
+    python benchmarks/jax_step.py --interleaved --np 2 --blocks 20 --block 20
 """
 
 from __future__ import annotations
@@ -238,6 +247,84 @@ def worker(engine: str, args: argparse.Namespace) -> None:
         hvd.shutdown()
 
 
+def interleaved_worker(args: argparse.Namespace) -> None:
+    """One rank of ``--interleaved``: hora's and mpi4jax's steps (and one that averages
+    nothing) in alternating blocks; rank 0 prints one JSON line of median milliseconds."""
+    import jax
+    import mpi4jax
+    import optax
+    from mpi4py import MPI
+
+    import hora.jax as hvd
+
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    adam = optax.adam(1e-3)
+    distributed = hvd.DistributedOptimizer(adam)
+    model, params, xb, yb = _model_and_data(rank)
+    grad_fn = jax.grad(_loss(model))
+
+    def mean(g: Any) -> Any:
+        return mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / size
+
+    def make_step(tx: Any, average: Callable[[Any], Any]) -> Any:
+        @jax.jit
+        def step(params: Any, state: Any, xb: Any, yb: Any) -> Any:
+            updates, state = tx.update(average(grad_fn(params, xb, yb)), state, params)
+            return optax.apply_updates(params, updates), state
+
+        return step
+
+    engines = {
+        "hora": (make_step(distributed, lambda g: g), distributed),
+        "mpi4jax": (make_step(adam, lambda g: jax.tree_util.tree_map(mean, g)), adam),
+        "local": (make_step(adam, lambda g: g), adam),
+    }
+    held = {name: [params, tx.init(params)] for name, (_, tx) in engines.items()}
+
+    def one(name: str) -> None:
+        held[name][0], held[name][1] = engines[name][0](held[name][0], held[name][1], xb, yb)
+        jax.block_until_ready(held[name][0])
+
+    for name in engines:
+        for _ in range(5):
+            one(name)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for block in range(args.blocks):
+        order = list(engines) if block % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            comm.Barrier()
+            for _ in range(args.block):
+                start = time.perf_counter()
+                one(name)
+                times[name].append((time.perf_counter() - start) * 1e3)
+    if rank == 0:
+        print("BENCH " + json.dumps({name: statistics.median(t) for name, t in times.items()}), flush=True)
+    hvd.shutdown()
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """Runs ``--interleaved`` and prints its table."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    if args.single_threaded_xla:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREADED_XLA).strip()
+    command = ["mpirun", "--allow-run-as-root", "--bind-to", "core", "-np", str(args.np), sys.executable, __file__,
+               "--worker", "interleaved", "--blocks", str(args.blocks), "--block", str(args.block)]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout).stdout
+    lines = [line.split("BENCH ", 1)[1] for line in out.splitlines() if "BENCH " in line]
+    if not lines:
+        sys.exit("interleaved run failed:\n" + out[-3000:])
+    med = json.loads(lines[0])
+    print(f"{args.np} ranks, {os.cpu_count()} CPUs, ranks bound to cores, {args.blocks} blocks of {args.block} steps "
+          f"per engine, alternating; load average {os.getloadavg()[0]:.1f} at the end")  # fmt: skip
+    print(f"{'step':10s} {'median ms':>10s} {'over local':>11s}")
+    for name, ms in med.items():
+        print(f"{name:10s} {ms:10.2f} {ms - med['local']:11.2f}")
+    print(f"mpi4jax / hora: step {med['mpi4jax'] / med['hora']:.3f}x, "
+          f"communication {(med['mpi4jax'] - med['local']) / (med['hora'] - med['local']):.3f}x")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -284,10 +371,20 @@ def main() -> None:
         action="store_false",
         help="leave XLA's intra-op thread pool at its default (one thread per core in every rank)",
     )
+    parser.add_argument("--interleaved", action="store_true",
+                        help="hora's and mpi4jax's MLP steps in alternating blocks inside one mpirun job")
+    parser.add_argument("--blocks", type=int, default=20, help="--interleaved: blocks per engine")
+    parser.add_argument("--block", type=int, default=20, help="--interleaved: steps per block")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "interleaved":
+        interleaved_worker(args)
+        return
     if args.worker:
         worker(args.worker, args)
+        return
+    if args.interleaved:
+        interleaved(args)
         return
     engines = args.engines.split(",")
     if "mpi4jax" in engines:
