@@ -25,8 +25,8 @@ each cell is the median over rounds, and ratios are the other engine's time over
 
 mpi4jax is not among the project's requirements: ``pip install mpi4jax`` builds it from
 source with ``mpicc`` (on a machine that has ``/usr/local/cuda`` without CUDA's headers its
-setup.py tries a CUDA build and fails: build from the sdist with ``get_cuda_info`` returning
-no CUDA).
+setup.py tries a CUDA build and fails: build its sdist with ``get_cuda_path`` returning
+None, ``nanobind`` and ``cython`` installed, and ``pip install --no-build-isolation``).
 
 ``--interleaved`` measures the step another way, for machines whose speed drifts by more
 than the engines differ (the same step 17 ms in one run and 21 ms in the next): hora and
@@ -128,6 +128,32 @@ def _loss(model: Any) -> Callable[..., Any]:
     return loss
 
 
+def _step(model: Any, tx: Any, average: Callable[[Any], Any]) -> Any:
+    """A jitted training step: gradients, ``average`` of them, ``tx``'s update."""
+    import jax
+    import optax
+
+    grad_fn = jax.grad(_loss(model))
+
+    @jax.jit
+    def step(params: Any, state: Any, xb: Any, yb: Any) -> Any:
+        updates, state = tx.update(average(grad_fn(params, xb, yb)), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _mpi4jax_mean(comm: Any) -> Callable[[Any], Any]:
+    """The mean of an array over ``comm``'s ranks inside jit, with mpi4jax."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    def mean(g: Any) -> Any:
+        return mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / comm.Get_size()  # 0.9: no token
+
+    return mean
+
+
 def worker(engine: str, args: argparse.Namespace) -> None:
     """One rank: measures, and on rank 0 prints one JSON line."""
     import jax
@@ -156,12 +182,7 @@ def worker(engine: str, args: argparse.Namespace) -> None:
         result["allreduce_eager_ms"] = _timed(lambda: hvd.allreduce(x, op=hvd.Sum).block_until_ready(), 2, args.iters)
         tx = hvd.DistributedOptimizer(tx_inner)
         model, params, xb, yb = _model_and_data(rank)
-        grad_fn = jax.grad(_loss(model))
-
-        @jax.jit
-        def step(params: Any, state: Any, xb: Any, yb: Any) -> Any:
-            updates, state = tx.update(grad_fn(params, xb, yb), state, params)
-            return optax.apply_updates(params, updates), state
+        step = _step(model, tx, lambda grads: grads)
 
         average, wrap = (lambda grads: hvd.grouped_allreduce(grads)), jax.jit  # what DistributedOptimizer does
         average_params = params
@@ -177,17 +198,8 @@ def worker(engine: str, args: argparse.Namespace) -> None:
         result["allreduce_ms"] = _timed(lambda: allreduce(x).block_until_ready(), 2, args.iters)
         tx = tx_inner
         model, params, xb, yb = _model_and_data(rank)
-        grad_fn = jax.grad(_loss(model))
-
-        def mean(g: Any) -> Any:
-            return mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / size
-
-        @jax.jit
-        def step(params: Any, state: Any, xb: Any, yb: Any) -> Any:
-            grads = jax.tree_util.tree_map(mean, grad_fn(params, xb, yb))
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
+        mean = _mpi4jax_mean(comm)
+        step = _step(model, tx, lambda grads: jax.tree_util.tree_map(mean, grads))
         average, wrap = (lambda grads: [mean(g) for g in grads]), jax.jit
         average_params = params
 
@@ -251,7 +263,6 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     """One rank of ``--interleaved``: hora's and mpi4jax's steps (and one that averages
     nothing) in alternating blocks; rank 0 prints one JSON line of median milliseconds."""
     import jax
-    import mpi4jax
     import optax
     from mpi4py import MPI
 
@@ -259,27 +270,15 @@ def interleaved_worker(args: argparse.Namespace) -> None:
 
     hvd.init()
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     adam = optax.adam(1e-3)
     distributed = hvd.DistributedOptimizer(adam)
     model, params, xb, yb = _model_and_data(rank)
-    grad_fn = jax.grad(_loss(model))
-
-    def mean(g: Any) -> Any:
-        return mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / size
-
-    def make_step(tx: Any, average: Callable[[Any], Any]) -> Any:
-        @jax.jit
-        def step(params: Any, state: Any, xb: Any, yb: Any) -> Any:
-            updates, state = tx.update(average(grad_fn(params, xb, yb)), state, params)
-            return optax.apply_updates(params, updates), state
-
-        return step
-
+    mean = _mpi4jax_mean(comm)
     engines = {
-        "hora": (make_step(distributed, lambda g: g), distributed),
-        "mpi4jax": (make_step(adam, lambda g: jax.tree_util.tree_map(mean, g)), adam),
-        "local": (make_step(adam, lambda g: g), adam),
+        "hora": (_step(model, distributed, lambda g: g), distributed),
+        "mpi4jax": (_step(model, adam, lambda g: jax.tree_util.tree_map(mean, g)), adam),
+        "local": (_step(model, adam, lambda g: g), adam),
     }
     held = {name: [params, tx.init(params)] for name, (_, tx) in engines.items()}
 
@@ -306,12 +305,17 @@ def interleaved_worker(args: argparse.Namespace) -> None:
 
 def interleaved(args: argparse.Namespace) -> None:
     """Runs ``--interleaved`` and prints its table."""
+    try:
+        import mpi4jax  # noqa: F401
+    except ImportError:
+        sys.exit("--interleaved needs mpi4jax (see the module's docstring)")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     if args.single_threaded_xla:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREADED_XLA).strip()
     command = ["mpirun", "--allow-run-as-root", "--bind-to", "core", "-np", str(args.np), sys.executable, __file__,
                "--worker", "interleaved", "--blocks", str(args.blocks), "--block", str(args.block)]  # fmt: skip
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout).stdout
+    out = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=args.timeout).stdout
     lines = [line.split("BENCH ", 1)[1] for line in out.splitlines() if "BENCH " in line]
     if not lines:
         sys.exit("interleaved run failed:\n" + out[-3000:])
