@@ -4,7 +4,9 @@ job meet through: real sockets, clients on threads, one process.
 What Horovod's ``ComputeService`` promises: dispatchers and workers register, waits block
 until they did (or time out naming what they waited for), ids out of range and a
 dispatcher re-registered elsewhere are refused, shutdown wakes every waiter. And what hora
-adds: a wrong key or a service that has gone is an error, never a wait.
+adds: a wrong key or a service that has gone is an error, never a wait, and a dispatcher
+stops its workers before it stops (a tf.data worker left fetching from a dispatcher that
+has gone cannot stop for as long as its dispatcher timeout).
 """
 
 from __future__ import annotations
@@ -105,9 +107,12 @@ def test_one_dispatcher_serves_every_rank_worker_wait(key: bytes) -> None:
 
 
 def test_shutdown_wakes_every_waiter(service: ComputeService, key: bytes) -> None:
+    """Those waiting for shutdown, and every dispatcher's workers waiting to stop."""
     client = ComputeClient(service.addresses(), key, verbose=0)
-    woke: list[int] = []
-    waiters = [threading.Thread(target=lambda i=i: (client.wait_for_shutdown(), woke.append(i))) for i in range(3)]
+    woke: list[str] = []
+    waits = [(f"shutdown {i}", client.wait_for_shutdown) for i in range(3)]
+    waits += [(f"worker of {d}", lambda d=d: client.wait_for_worker_stop(d)) for d in (0, 1)]
+    waiters = [threading.Thread(target=lambda n=n, w=w: (w(), woke.append(n))) for n, w in waits]
     for waiter in waiters:
         waiter.start()
     time.sleep(0.2)
@@ -115,7 +120,37 @@ def test_shutdown_wakes_every_waiter(service: ComputeService, key: bytes) -> Non
     client.shutdown()
     for waiter in waiters:
         waiter.join(20)
-    assert sorted(woke) == [0, 1, 2]
+    assert sorted(woke) == sorted(name for name, _ in waits)
+
+
+def test_a_dispatcher_stops_its_workers_first_and_waits_for_them(service: ComputeService, key: bytes) -> None:
+    """Whoever stops a dispatcher asks its workers to stop and waits until every one has;
+    the workers of the other dispatcher go on."""
+    client = ComputeClient(service.addresses(), key, verbose=0)
+    asked: list[int] = []
+    workers = [
+        threading.Thread(target=lambda d=d, w=w: (client.wait_for_worker_stop(d), asked.append(w)))
+        for d, w in ((1, 3), (1, 4), (1, 5), (0, 0))
+    ]
+    for worker in workers:
+        worker.start()
+    stopped = threading.Event()
+    stopper = threading.Thread(target=lambda: (client.stop_dispatcher_workers(1, 20), stopped.set()))
+    stopper.start()
+    for worker in workers[:3]:
+        worker.join(20)
+    assert sorted(asked) == [3, 4, 5]  # dispatcher 1's workers, not dispatcher 0's
+    client.worker_stopped(1, 3)
+    client.worker_stopped(1, 4)
+    time.sleep(0.2)
+    assert not stopped.is_set()  # two of its three workers have stopped
+    client.worker_stopped(1, 5)
+    stopper.join(20)
+    assert stopped.is_set() and workers[3].is_alive()
+    with pytest.raises(TimeoutError, match="the workers of dispatcher 0 to stop"):
+        client.stop_dispatcher_workers(0, 0.3)
+    workers[3].join(20)  # asked by the call that timed out
+    assert asked[-1] == 0
 
 
 def test_a_service_that_has_gone_ends_waits_and_fails_requests(key: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,11 +159,17 @@ def test_a_service_that_has_gone_ends_waits_and_fails_requests(key: bytes, monke
     client = ComputeClient(loopback(service), key, verbose=0)
     woke = threading.Event()
     waiter = threading.Thread(target=lambda: (client.wait_for_shutdown(), woke.set()))
+    stopped = threading.Event()  # a worker's stop is no error either: nobody waits for it any more
+    worker = threading.Thread(
+        target=lambda: (client.wait_for_worker_stop(0), client.worker_stopped(0, 0), stopped.set())
+    )
     waiter.start()
+    worker.start()
     time.sleep(0.2)
     service._server.stop()  # the compute job's rank 0 died: no shutdown key was ever written
     waiter.join(20)
-    assert woke.is_set()
+    worker.join(20)
+    assert woke.is_set() and stopped.is_set()
     with pytest.raises(ConnectionError, match="Compute service at 127"):
         client.register_dispatcher(0, "grpc://a:1")
 

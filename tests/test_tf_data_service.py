@@ -48,9 +48,13 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT / "src"), **TF_ENV, **extra)
 
 
-def _compute_job(config: Path, *args: str, hosts: str | None = None, **env: str) -> subprocess.Popen[str]:
+def _compute_job(
+    config: Path, *args: str, hosts: str | None = None, timeout: int = 60, **env: str
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        _horarun("-m", "hora.tensorflow.data.compute_worker", str(config), "--timeout", "60", *args, hosts=hosts),
+        _horarun(
+            "-m", "hora.tensorflow.data.compute_worker", str(config), "--timeout", str(timeout), *args, hosts=hosts
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -107,6 +111,32 @@ def test_a_training_job_trains_on_a_compute_job_and_ends_it(
     assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
     final = re.search(r"\[0\]<stdout>:final test accuracy ([0-9.]+) on 2 ranks", training.stdout)
     assert final and float(final.group(1)) >= 0.9, training.stdout[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("side", ["compute", "training"])
+def test_the_compute_job_ends_at_once_while_a_reader_still_fetches(tmp_path: Path, side: str) -> None:
+    """The training job leaves a data-service iterator prefetching when it stops its
+    dispatchers and shuts the compute job down. A tf.data worker fetching splits from a
+    dispatcher that has gone retries for its whole ``dispatcher_timeout_ms`` (the compute
+    job's ``--timeout``, 120 s here) and cannot stop before; before hora stopped the workers
+    ahead of their dispatcher, the training-side compute job took three minutes to end."""
+    config = tmp_path / "compute.json"
+    compute = _compute_job(config, "--dispatcher-side", side, timeout=120)
+    try:
+        training = subprocess.run(
+            _horarun(str(ROOT / "tests/scripts/data_service_reader.py"), str(config)),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=ROOT,
+            env=_env(),
+        )
+    finally:
+        out = _ended(compute, timeout=60)
+    assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
+    assert "[0]<stdout>:shut the compute job down" in training.stdout, training.stdout[-3000:]
     assert "Traceback" not in out, out[-3000:]
 
 

@@ -17,11 +17,21 @@ block on the server until keys exist; ``hora.transport.rendezvous``) with these 
   slot ``worker id % workers per dispatcher`` (Horovod counts distinct worker ids; the
   compute job's workers of one dispatcher have distinct slots, as their ids are
   consecutive);
+* ``compute/stop/<dispatcher id>``: present once the workers of that dispatcher are to stop
+  (its dispatcher is about to stop, or shutdown was requested);
+* ``compute/stopped/<dispatcher id>/<slot>``: that worker has stopped;
 * ``compute/shutdown``: present once shutdown was requested.
+
+A dispatcher outlives its workers: whoever stops one first stops its workers
+(``stop_dispatcher_workers``). A tf.data worker that is fetching splits from a dispatcher
+that has gone retries for as long as its ``dispatcher_timeout_ms``, and stopping the worker
+waits for that; a training job that ran the dispatchers and ended before the compute job
+shut down left the compute ranks waiting so (three minutes measured at a 60 s timeout).
 
 Every wait has a timeout and names what it waited for; a client whose service has gone
 (its compute job ended or died) gets ``ConnectionError`` naming the address, except in
-``wait_for_shutdown``, for which a service that has gone is a service that shut down.
+``wait_for_shutdown`` and ``wait_for_worker_stop``, for which a service that has gone is a
+service that shut down.
 """
 
 from __future__ import annotations
@@ -59,6 +69,14 @@ def _worker_key(dispatcher_id: int, slot: int) -> str:
     return f"compute/worker/{dispatcher_id}/{slot}"
 
 
+def _stop_key(dispatcher_id: int) -> str:
+    return f"compute/stop/{dispatcher_id}"
+
+
+def _stopped_key(dispatcher_id: int, slot: int) -> str:
+    return f"compute/stopped/{dispatcher_id}/{slot}"
+
+
 class ComputeService:
     """Serves the compute service until ``shutdown``: on every interface, authenticated by ``key``.
 
@@ -80,6 +98,7 @@ class ComputeService:
         if workers_per_dispatcher <= 0:
             raise ValueError(f"The number of workers per dispatcher must be larger than 0: {workers_per_dispatcher}")
         self._nics = None if nics is None else set(nics)
+        self._dispatchers = dispatchers
         self._server = RendezvousServer(key, host="0.0.0.0").start()
         self._server.put(_LAYOUT, f"{dispatchers} {workers_per_dispatcher}".encode())
 
@@ -93,7 +112,9 @@ class ComputeService:
         }
 
     def shutdown(self) -> None:
-        """Wakes every ``wait_for_shutdown`` and stops serving."""
+        """Wakes every ``wait_for_worker_stop`` and ``wait_for_shutdown`` and stops serving."""
+        for dispatcher_id in range(self._dispatchers):
+            self._server.put(_stop_key(dispatcher_id), b"")
         self._server.put(_SHUTDOWN, b"")
         self._server.stop()
 
@@ -231,19 +252,54 @@ class ComputeClient:
         keys = [_worker_key(dispatcher_id, slot) for slot in range(self._workers_per_dispatcher)]
         self._wait(keys, timeout, f"workers for dispatcher {dispatcher_id} to register")
 
+    def stop_dispatcher_workers(self, dispatcher_id: int, timeout: float) -> None:
+        """Asks the workers of dispatcher ``dispatcher_id`` to stop and waits until they have;
+        whoever stops a dispatcher calls this first (a worker left fetching from a dispatcher
+        that has gone cannot stop until its ``dispatcher_timeout_ms`` ran out).
+
+        Raises:
+            IndexError: no such dispatcher.
+            TimeoutError: not all of them stopped within ``timeout`` seconds.
+        """
+        self._check_dispatcher(dispatcher_id)
+        self._put(_stop_key(dispatcher_id), b"")
+        keys = [_stopped_key(dispatcher_id, slot) for slot in range(self._workers_per_dispatcher)]
+        self._wait(keys, timeout, f"the workers of dispatcher {dispatcher_id} to stop")
+
+    def wait_for_worker_stop(self, dispatcher_id: int) -> None:
+        """Returns once the workers of dispatcher ``dispatcher_id`` are to stop: their
+        dispatcher is about to stop, shutdown was requested, or the service has gone."""
+        self._check_dispatcher(dispatcher_id)
+        self._wait_or_gone(_stop_key(dispatcher_id), f"the workers of dispatcher {dispatcher_id} to stop")
+
+    def worker_stopped(self, dispatcher_id: int, worker_id: int) -> None:
+        """Says that worker ``worker_id`` of dispatcher ``dispatcher_id`` has stopped (nothing
+        when the service has gone: nobody waits for it then)."""
+        self._check_dispatcher(dispatcher_id)
+        try:
+            self._put(_stopped_key(dispatcher_id, worker_id % self._workers_per_dispatcher), b"")
+        except ConnectionError as exc:
+            log.info("%s: gone before worker %d could say it stopped (%s)", ComputeService.NAME, worker_id, exc)
+
     def shutdown(self) -> None:
-        """Asks the compute job to shut down: wakes every ``wait_for_shutdown``."""
+        """Asks the compute job to shut down: wakes every ``wait_for_worker_stop`` and
+        ``wait_for_shutdown``."""
+        for dispatcher_id in range(self._dispatchers):
+            self._put(_stop_key(dispatcher_id), b"")
         self._put(_SHUTDOWN, b"")
 
     def wait_for_shutdown(self) -> None:
         """Returns once shutdown was requested, or once the service has gone."""
+        self._wait_or_gone(_SHUTDOWN, "the compute service to shut down")
+
+    def _wait_or_gone(self, key: str, what: str) -> None:
+        """Returns once ``key`` exists or the service has gone, however long that takes."""
         while True:
             try:
-                self._wait([_SHUTDOWN], MAX_WAIT, "the compute service to shut down")
+                self._wait([key], MAX_WAIT, what)
                 return
             except TimeoutError:
                 continue
             except ConnectionError as exc:
-                log.info("%s: gone while waiting for shutdown (%s)", ComputeService.NAME, exc)
+                log.info("%s: gone while waiting for %s (%s)", ComputeService.NAME, what, exc)
                 return
-

@@ -169,7 +169,18 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int) -> Iterator[
         yield dispatcher_address
     finally:
         if dispatcher_server is not None:
+            _stop_workers(compute, dispatcher_id, compute_config.timeout)
             _stop(dispatcher_server, "dispatcher")
+
+
+def _stop_workers(compute: ComputeClient, dispatcher_id: int, timeout: float) -> None:
+    """Stops the compute job's workers of a training-side dispatcher before the dispatcher
+    stops (see ``ComputeClient.stop_dispatcher_workers``); says so when they do not stop,
+    and the dispatcher stops anyway: the training job has finished with it."""
+    try:
+        compute.stop_dispatcher_workers(dispatcher_id, timeout)
+    except (TimeoutError, ConnectionError) as exc:
+        log.warning("stopping dispatcher %d with its workers still running: %s", dispatcher_id, exc)
 
 
 def send_to_data_service(
@@ -219,7 +230,9 @@ def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
     """Runs this rank's part of the compute job until the training job asks it to shut down.
 
     Rank ``r`` runs a tf.data worker for dispatcher ``r // workers_per_dispatcher``; with
-    compute-side dispatchers the first rank of each group also runs that dispatcher.
+    compute-side dispatchers the first rank of each group also runs that dispatcher. The
+    worker stops when its dispatcher is about to (a training-side dispatcher whose training
+    ranks are done) or at shutdown; dispatchers stop once every worker has.
 
     Raises:
         TimeoutError: its dispatcher did not register within ``compute_config.timeout`` seconds.
@@ -248,9 +261,12 @@ def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
         try:
             compute.register_worker_for_dispatcher(dispatcher_index, index)
             log.info("worker %d registered for dispatcher %d", index, dispatcher_index)
-            compute.wait_for_shutdown()
+            compute.wait_for_worker_stop(dispatcher_index)
         finally:
             _stop(worker_server, "worker")
+        compute.worker_stopped(dispatcher_index, index)
+        compute.wait_for_shutdown()
+        hvd.barrier()  # a dispatcher outlives its workers: every worker stopped before any dispatcher stops
     finally:
         if dispatcher_server is not None:
             _stop(dispatcher_server, "dispatcher")
