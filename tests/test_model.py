@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hora.bench import model
+from hora.collectives import pipeline
 from hora.engine import algorithms
 
 
@@ -17,6 +18,7 @@ def test_counts_of_each_algorithm() -> None:
     assert model.ring_allreduce(1, 400) == (0, 0)
     assert model.doubling_allreduce(8, 10) == (3, 30)
     assert model.doubling_allreduce(6, 10) == (4, 40)  # fold, two doublings, unfold
+    assert model.halving_allreduce(8, 800) == (6, 1400)  # the ring's bytes in 2 log2 n steps
     assert model.ring_allgather(4, 400) == (3, 300)
     assert model.direct_broadcast(4, 10) == (1, 30)
     assert model.scatter_allgather_broadcast(4, 400) == (4, 600)
@@ -30,7 +32,11 @@ def test_counts_of_each_algorithm() -> None:
 def test_hora_choice_follows_the_engine_switch_points() -> None:
     small, large = algorithms.DOUBLING_MAX_BYTES, algorithms.DOUBLING_MAX_BYTES + 4
     assert model.hora_allreduce_flat(8, small) == model.doubling_allreduce(8, small)
-    assert model.hora_allreduce_flat(8, large) == model.ring_allreduce(8, large)
+    assert model.hora_allreduce_flat(8, large) == model.halving_allreduce(8, large)
+    assert model.hora_allreduce_flat(6, large) == model.ring_allreduce(6, large)
+    streamed = pipeline.CHUNK_BYTES * 8 + 4  # the pipelined ring, priced as the ring
+    assert model.hora_allreduce_flat(8, streamed) == model.ring_allreduce(8, streamed)
+    assert model.hora_allreduce_flat(8, streamed - 8) == model.halving_allreduce(8, streamed - 8)
     big = algorithms.SCATTER_BROADCAST_MIN_BYTES
     assert model.hora_broadcast(4, big) == model.scatter_allgather_broadcast(4, big)
     assert model.hora_broadcast(3, big) == model.chain_broadcast(3, big)
