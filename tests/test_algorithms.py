@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from hora.collectives import doubling, halving, pointwise
+from hora.collectives import doubling, pointwise
 from hora.collectives.reduce import MAX, MIN, SUM, DataType, reducer
 
 
@@ -106,58 +106,6 @@ def test_recursive_doubling_ops_and_integers(op: int, combine: Callable[..., np.
 
     for got in run_threads(size, job):
         assert np.array_equal(got, combine(inputs, axis=0))
-
-
-@pytest.mark.parametrize("size", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("count", [0, 1, 3, 15, 1000, 4099])
-def test_recursive_halving_allreduce_matches_and_agrees_bitwise(size: int, count: int) -> None:
-    """Sizes below the rank count leave some ranks empty ranges; odd sizes split unevenly."""
-    inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(size)]
-    sent: list[int] = [0] * size
-
-    def job(channel: ThreadChannel) -> np.ndarray:
-        buffer = inputs[channel.rank].copy()
-        counting = CountingChannel(channel)
-        halving.allreduce(counting, buffer, reducer(SUM, DataType.FLOAT32))
-        sent[channel.rank] = counting.sent
-        return buffer
-
-    results = run_threads(size, job)
-    np.testing.assert_allclose(results[0], np.sum(inputs, axis=0), rtol=1e-5, atol=1e-5)
-    for rank, got in enumerate(results):
-        assert np.array_equal(got, results[0]), f"rank {rank} differs from rank 0 in the last bits"
-    # The ring's bytes, 2(n-1)/n of the buffer per rank (within an element per step for uneven halves).
-    steps = 2 * (size.bit_length() - 1)
-    for rank in range(size):
-        assert abs(sent[rank] - 2 * (size - 1) / size * count) <= steps, (rank, sent[rank])
-
-
-def test_recursive_halving_ops_integers_and_refusal() -> None:
-    inputs = [np.arange(10, dtype=np.int64) * (r - 2) for r in range(4)]
-    for op, combine in ((SUM, np.sum), (MIN, np.min), (MAX, np.max)):
-
-        def job(channel: ThreadChannel, op: int = op) -> np.ndarray:
-            buffer = inputs[channel.rank].copy()
-            halving.allreduce(channel, buffer, reducer(op, DataType.INT64), np.empty(5, dtype=np.int64))
-            return buffer
-
-        for got in run_threads(4, job):
-            assert np.array_equal(got, combine(inputs, axis=0))
-    assert [n for n in range(1, 17) if halving.applies(n)] == [2, 4, 8, 16]
-    with pytest.raises(ValueError, match="power-of-two number of ranks, not 6"):
-        halving.allreduce(ThreadChannel(0, 6, {}), np.zeros(4), reducer(SUM, DataType.FLOAT64))
-
-
-class CountingChannel:
-    """A channel that counts the elements this rank sends."""
-
-    def __init__(self, channel: ThreadChannel) -> None:
-        self._channel, self.sent = channel, 0
-        self.rank, self.size = channel.rank, channel.size
-
-    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
-        self.sent += sum(buffer.size for _, buffer in sends)
-        self._channel.exchange(sends, recvs)
 
 
 @pytest.mark.parametrize("size", range(1, 8))

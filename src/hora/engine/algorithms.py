@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hora.collectives import adasum, doubling, halving, pipeline, pointwise, ring, shm_ops
+from hora.collectives import adasum, doubling, pipeline, pointwise, ring, shm_ops
 from hora.collectives.channel import Channel
 from hora.collectives.reduce import Reducer
 from hora.collectives.ring import Bounds
@@ -104,10 +104,9 @@ class TcpCollectives:
     Allreduces, reduce-scatters and allgathers larger than one pipeline chunk per rank
     use the pipelined ring; small allreduces (``DOUBLING_MAX_BYTES``) recursive doubling,
     which takes fewer steps; everything in between the plain ring, which has less
-    bookkeeping per byte, or, for allreduces on a power-of-two number of ranks, recursive
-    halving and doubling (the ring's bytes in 2 log2 n steps instead of 2(n-1)).
-    Broadcasts to more than two ranks from ``SCATTER_BROADCAST_MIN_BYTES`` scatter and
-    allgather, and larger ones (``pipeline.chains``) stream along the ring as a chain.
+    bookkeeping per byte. Broadcasts to more than two ranks from
+    ``SCATTER_BROADCAST_MIN_BYTES`` scatter and allgather, and larger ones
+    (``pipeline.chains``) stream along the ring as a chain.
 
     Args:
         channel: the set's channel.
@@ -146,8 +145,6 @@ class TcpCollectives:
             pipeline.allreduce(self._channel.ring_stream(), self.rank, self.size, buffer, reduce)
         elif buffer.nbytes <= DOUBLING_MAX_BYTES:
             doubling.allreduce(self._channel, buffer, reduce, self._scratch_for(buffer.size, buffer.dtype))
-        elif halving.applies(self.size):
-            halving.allreduce(self._channel, buffer, reduce, self._scratch_for(-(-buffer.size // 2), buffer.dtype))
         else:
             # The ring receives at most one segment (a 1/size share, rounded up) at a time.
             scratch = self._scratch_for(-(-buffer.size // self.size), buffer.dtype)
