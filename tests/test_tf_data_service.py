@@ -121,7 +121,8 @@ def test_the_compute_job_ends_at_once_while_a_reader_still_fetches(tmp_path: Pat
     dispatchers and shuts the compute job down. A tf.data worker fetching splits from a
     dispatcher that has gone retries for its whole ``dispatcher_timeout_ms`` (the compute
     job's ``--timeout``, 120 s here) and cannot stop before; before hora stopped the workers
-    ahead of their dispatcher, the training-side compute job took three minutes to end."""
+    ahead of their dispatcher, a training-side compute job at ``--timeout 60`` took three
+    minutes to end."""
     config = tmp_path / "compute.json"
     compute = _compute_job(config, "--dispatcher-side", side, timeout=120)
     try:
