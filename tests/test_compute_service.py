@@ -129,7 +129,7 @@ def test_a_dispatcher_stops_its_workers_first_and_waits_for_them(service: Comput
     client = ComputeClient(service.addresses(), key, verbose=0)
     asked: list[int] = []
     workers = [
-        threading.Thread(target=lambda d=d, w=w: (client.wait_for_worker_stop(d), asked.append(w)))
+        threading.Thread(target=lambda d=d, w=w: client.wait_for_worker_stop(d) and asked.append(w))
         for d, w in ((1, 3), (1, 4), (1, 5), (0, 0))
     ]
     for worker in workers:
@@ -159,17 +159,16 @@ def test_a_service_that_has_gone_ends_waits_and_fails_requests(key: bytes, monke
     client = ComputeClient(loopback(service), key, verbose=0)
     woke = threading.Event()
     waiter = threading.Thread(target=lambda: (client.wait_for_shutdown(), woke.set()))
-    stopped = threading.Event()  # a worker's stop is no error either: nobody waits for it any more
-    worker = threading.Thread(
-        target=lambda: (client.wait_for_worker_stop(0), client.worker_stopped(0, 0), stopped.set())
-    )
+    outcome: list[bool] = []  # a worker waiting to stop learns that the service has gone
+    worker = threading.Thread(target=lambda: outcome.append(client.wait_for_worker_stop(0)))
     waiter.start()
     worker.start()
     time.sleep(0.2)
     service._server.stop()  # the compute job's rank 0 died: no shutdown key was ever written
     waiter.join(20)
     worker.join(20)
-    assert woke.is_set() and stopped.is_set()
+    assert woke.is_set() and outcome == [False]
+    client.worker_stopped(0, 0)  # no error either: nobody waits for it any more
     with pytest.raises(ConnectionError, match="Compute service at 127"):
         client.register_dispatcher(0, "grpc://a:1")
 

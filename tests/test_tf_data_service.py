@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_ranks
 from test_tensorflow_ops import TF_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -139,6 +140,44 @@ def test_the_compute_job_ends_at_once_while_a_reader_still_fetches(tmp_path: Pat
     assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
     assert "[0]<stdout>:shut the compute job down" in training.stdout, training.stdout[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def compute_rank_lost_job(configfile: str) -> str:
+    """A compute job of two ranks whose rank 0 (the compute service and the dispatcher) dies
+    once both workers registered; rank 1 reports what it raised."""
+    import threading
+
+    from hora.core.compute_service import ComputeClient
+    from hora.tensorflow.data import compute_worker
+    from hora.tensorflow.data.compute_service import TfDataServiceConfig
+
+    def die_once_registered() -> None:
+        config = TfDataServiceConfig.read(configfile, wait_for_file_creation=True)
+        ComputeClient(config.addresses, config.key, verbose=0).wait_for_dispatcher_worker_registration(0, 60)
+        os._exit(1)
+
+    if int(os.environ["RANK"]) == 0:
+        threading.Thread(target=die_once_registered, daemon=True).start()
+    try:
+        compute_worker.main(1, "compute", configfile, 60)
+    except Exception as exc:  # noqa: BLE001 - the test reads its class and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(180)
+def test_a_compute_rank_lost_fails_the_others_without_a_launcher(tmp_path: Path) -> None:
+    """Started as torchrun starts ranks, nobody stops the survivor: it finds the service gone,
+    stops its worker and fails at the barrier before the dispatchers stop, naming rank 0."""
+    results = run_ranks(
+        2, compute_rank_lost_job, str(tmp_path / "compute.json"), env=TF_ENV, check=False, launcher="torchrun",
+        timeout=150,
+    )  # fmt: skip
+    survivor = results[1]
+    assert survivor.returncode == 0, survivor.output + (survivor.error or "")
+    assert survivor.value.startswith("HoraInternalError: "), survivor.value
+    assert "barrier failed: rank 0 (the coordinator) on host" in survivor.value, survivor.value
+    assert "was lost" in survivor.value, survivor.value
 
 
 @pytest.mark.timeout(120)

@@ -30,8 +30,8 @@ shut down left the compute ranks waiting so (three minutes measured at a 60 s ti
 
 Every wait has a timeout and names what it waited for; a client whose service has gone
 (its compute job ended or died) gets ``ConnectionError`` naming the address, except in
-``wait_for_shutdown`` and ``wait_for_worker_stop``, for which a service that has gone is a
-service that shut down.
+``wait_for_shutdown`` and ``wait_for_worker_stop``, which return once it has gone (the
+latter saying so, so that a worker does not go on to wait for a service that is not there).
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class ComputeService:
         if workers_per_dispatcher <= 0:
             raise ValueError(f"The number of workers per dispatcher must be larger than 0: {workers_per_dispatcher}")
         self._nics = None if nics is None else set(nics)
-        self._dispatchers = dispatchers
         self._server = RendezvousServer(key, host="0.0.0.0").start()
         self._server.put(_LAYOUT, f"{dispatchers} {workers_per_dispatcher}".encode())
 
@@ -112,9 +111,8 @@ class ComputeService:
         }
 
     def shutdown(self) -> None:
-        """Wakes every ``wait_for_worker_stop`` and ``wait_for_shutdown`` and stops serving."""
-        for dispatcher_id in range(self._dispatchers):
-            self._server.put(_stop_key(dispatcher_id), b"")
+        """Wakes every ``wait_for_shutdown`` and stops serving, which ends every other wait
+        (``wait_for_worker_stop`` then says the service has gone)."""
         self._server.put(_SHUTDOWN, b"")
         self._server.stop()
 
@@ -266,11 +264,12 @@ class ComputeClient:
         keys = [_stopped_key(dispatcher_id, slot) for slot in range(self._workers_per_dispatcher)]
         self._wait(keys, timeout, f"the workers of dispatcher {dispatcher_id} to stop")
 
-    def wait_for_worker_stop(self, dispatcher_id: int) -> None:
-        """Returns once the workers of dispatcher ``dispatcher_id`` are to stop: their
-        dispatcher is about to stop, shutdown was requested, or the service has gone."""
+    def wait_for_worker_stop(self, dispatcher_id: int) -> bool:
+        """Returns once the workers of dispatcher ``dispatcher_id`` are to stop: True when
+        asked to (their dispatcher is about to stop, or shutdown was requested), False when
+        the service has gone (nobody waits for them to say they stopped, nor asks for shutdown)."""
         self._check_dispatcher(dispatcher_id)
-        self._wait_or_gone(_stop_key(dispatcher_id), f"the workers of dispatcher {dispatcher_id} to stop")
+        return self._wait_or_gone(_stop_key(dispatcher_id), f"the workers of dispatcher {dispatcher_id} to stop")
 
     def worker_stopped(self, dispatcher_id: int, worker_id: int) -> None:
         """Says that worker ``worker_id`` of dispatcher ``dispatcher_id`` has stopped (nothing
@@ -292,14 +291,14 @@ class ComputeClient:
         """Returns once shutdown was requested, or once the service has gone."""
         self._wait_or_gone(_SHUTDOWN, "the compute service to shut down")
 
-    def _wait_or_gone(self, key: str, what: str) -> None:
-        """Returns once ``key`` exists or the service has gone, however long that takes."""
+    def _wait_or_gone(self, key: str, what: str) -> bool:
+        """Waits until ``key`` exists (True) or the service has gone (False), however long that takes."""
         while True:
             try:
                 self._wait([key], MAX_WAIT, what)
-                return
+                return True
             except TimeoutError:
                 continue
             except ConnectionError as exc:
                 log.info("%s: gone while waiting for %s (%s)", ComputeService.NAME, what, exc)
-                return
+                return False

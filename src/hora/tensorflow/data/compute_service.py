@@ -258,14 +258,16 @@ def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
         )
         worker_server = tf.data.experimental.service.WorkerServer(worker_config)
         worker_server.start()
+        asked = False
         try:
             compute.register_worker_for_dispatcher(dispatcher_index, index)
             log.info("worker %d registered for dispatcher %d", index, dispatcher_index)
-            compute.wait_for_worker_stop(dispatcher_index)
+            asked = compute.wait_for_worker_stop(dispatcher_index)
         finally:
             _stop(worker_server, "worker")
-        compute.worker_stopped(dispatcher_index, index)
-        compute.wait_for_shutdown()
+        if asked:  # else the service has gone: each call would only wait to find that out
+            compute.worker_stopped(dispatcher_index, index)
+            compute.wait_for_shutdown()
         hvd.barrier()  # a dispatcher outlives its workers: every worker stopped before any dispatcher stops
     finally:
         if dispatcher_server is not None:
