@@ -262,16 +262,50 @@ def test_pipelined_chain_broadcast_from_every_root(size: int, chunk_bytes: int) 
             assert np.array_equal(got, np.arange(1003, dtype=np.float64)), f"root {root}, rank {rank}"
 
 
+def test_the_chain_forwards_what_arrived_before_the_rest_comes() -> None:
+    # The middle rank of three forwards as soon as a chunk's worth waits, not once it holds
+    # the whole buffer, and forwards everything that waits in one send, more than a chunk
+    # when more arrived meanwhile (the root's pipe delivers up to 1000 bytes at a time).
+    from hora.collectives import pipeline
+
+    offered: list[tuple[int, int]] = []  # (bytes the middle rank held, bytes it offered)
+
+    class Recording(ThreadStream):
+        held = 0
+
+        def recv_into(self, data: memoryview) -> int:
+            got = super().recv_into(data)
+            self.held += got
+            return got
+
+        def send(self, data: memoryview) -> int:
+            offered.append((self.held, len(data)))
+            return super().send(data)
+
+    def job(rank: int, stream: ThreadStream) -> np.ndarray:
+        if rank == 1:
+            stream = Recording(stream._right, stream._left)
+        buffer = np.arange(1003, dtype=np.float64) if rank == 0 else np.full(1003, -1.0)
+        pipeline.broadcast(stream, rank, 3, buffer, 0, 64)
+        return buffer
+
+    for got in run_ring(3, job):
+        assert np.array_equal(got, np.arange(1003, dtype=np.float64))
+    assert offered[0][0] < 8024, "the middle rank waited for the whole buffer before it forwarded"
+    assert all(length >= 64 or held == 8024 for held, length in offered), offered
+    assert any(length > 64 for _, length in offered), offered
+
+
 def test_chain_broadcast_choice() -> None:
     from hora.collectives import pipeline
 
     assert pipeline.broadcast_chunk_bytes(4, 64 << 20) == pipeline.BROADCAST_CHUNK_MAX
-    assert pipeline.broadcast_chunk_bytes(4, 1 << 20) == pipeline.BROADCAST_CHUNK_MIN
+    assert pipeline.broadcast_chunk_bytes(8, 1 << 20) == pipeline.BROADCAST_CHUNK_MIN
     assert pipeline.broadcast_chunk_bytes(4, 8 << 20) == 256 << 10  # an eighth of a rank's share
     assert not pipeline.chains(2, 64 << 20)  # two ranks: a direct send
-    assert pipeline.chains(3, 256 << 10)  # more than 3 chunks of 64 KiB
-    assert not pipeline.chains(8, 512 << 10)  # 8 chunks of 64 KiB: scatter + allgather is as good
-    assert pipeline.chains(8, 1 << 20)
+    assert pipeline.chains(3, 256 << 10)  # more than 3 chunks of 16 KiB
+    assert not pipeline.chains(8, 128 << 10)  # 8 chunks of 16 KiB: scatter + allgather is as good
+    assert pipeline.chains(8, 256 << 10)
 
 
 class ThreadGroup:

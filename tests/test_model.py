@@ -33,7 +33,8 @@ def test_hora_choice_follows_the_engine_switch_points() -> None:
     assert model.hora_allreduce_flat(8, small) == model.doubling_allreduce(8, small)
     assert model.hora_allreduce_flat(8, large) == model.ring_allreduce(8, large)
     big = algorithms.SCATTER_BROADCAST_MIN_BYTES
-    assert model.hora_broadcast(4, big) == model.scatter_allgather_broadcast(4, big)
+    assert model.hora_broadcast(16, big) == model.scatter_allgather_broadcast(16, big)  # 16 chunks of 16 KiB
+    assert model.hora_broadcast(4, big) == model.chain_broadcast(4, big)
     assert model.hora_broadcast(3, big) == model.chain_broadcast(3, big)
     assert model.hora_broadcast(8, 64 << 20) == model.chain_broadcast(8, 64 << 20)
     assert model.hora_broadcast(2, big) == model.direct_broadcast(2, big)

@@ -24,13 +24,18 @@ chunk when its predecessor step's chunk arrives; arrivals are processed in order
 each rank's stream is step-major and chunk-ordered, and the receiver knows which chunk
 comes next without any header.
 
-Broadcast is a chain along the ring: the root streams its chunks to its right
-neighbour, every other rank forwards each chunk to its right as soon as it has it, and
-the root's left neighbour ends the chain. Every link carries the buffer once, so the
-last rank has it ``(n-2)`` chunks' time after the root has sent it: ``(n-2) c / S`` more
-than the link bound ``S / B``, against ``(n-2) / n`` more for a scatter then a ring
-allgather (``pointwise.scatter_allgather_broadcast``), and ``n - 2`` more for the root
-sending to every rank itself.
+Broadcast is a chain along the ring: the root streams the buffer to its right
+neighbour, every other rank forwards to its right what has arrived from its left, and
+the root's left neighbour ends the chain. A rank forwards once a chunk's worth waits (or
+the rest of the buffer has arrived), everything that waits in one send: where the link
+bounds the transfer the chain moves in chunks, and a rank that its CPU holds up (ranks
+sharing cores on a fast link) forwards what arrived meanwhile in larger pieces (it takes
+up to ``BROADCAST_TAKE_MIN`` or two chunks from its socket at once), so its work per byte
+falls as it falls behind instead of staying one pass per chunk. Every link
+carries the buffer once, so the last rank has it ``(n-2)`` chunks' time after the root
+has sent it: ``(n-2) c / S`` more than the link bound ``S / B``, against ``(n-2) / n``
+more for a scatter then a ring allgather (``pointwise.scatter_allgather_broadcast``),
+and ``n - 2`` more for the root sending to every rank itself.
 """
 
 from __future__ import annotations
@@ -44,15 +49,23 @@ from hora.collectives.reduce import Reducer
 from hora.collectives.ring import Bounds, even_bounds
 
 CHUNK_BYTES = 1 << 20
-# The chain broadcast's chunks: an eighth of each rank's share of the buffer, so the
-# chain fills in (n-2)/8n of the transfer, within these bounds (below, Python's work per
-# chunk outweighs the link's time for it on fast links).
-BROADCAST_CHUNK_MIN = 64 * 1024
+# The chain broadcast's chunk, the least a rank forwards at once while more is to come: an
+# eighth of each rank's share of the buffer, so the chain fills in (n-2)/8n of the
+# transfer, within these bounds (below them a pass costs more than the link's time for the
+# chunk on fast links; a rank held up forwards more at once anyway). Measured against
+# 64-512 KiB chunks forwarded one by one: docs/performance.md, "The chain broadcast
+# forwards what has arrived".
+BROADCAST_CHUNK_MIN = 16 * 1024
 BROADCAST_CHUNK_MAX = 512 * 1024
+# What a forwarding rank takes from its socket at once, at least (and at least two chunks):
+# it forwards what it took while that is still in its caches, where a rank held up for a
+# while would otherwise pull megabytes before sending any.
+BROADCAST_TAKE_MIN = 256 * 1024
 
 
 def broadcast_chunk_bytes(size: int, nbytes: int) -> int:
-    """The chain broadcast's chunk size for ``nbytes`` among ``size`` ranks."""
+    """The chain broadcast's chunk (the least a rank forwards at once while more is to
+    come) for ``nbytes`` among ``size`` ranks."""
     return min(BROADCAST_CHUNK_MAX, max(BROADCAST_CHUNK_MIN, nbytes // (8 * size)))
 
 
@@ -89,34 +102,34 @@ def broadcast(
         buffer: a flat contiguous array, the same length on every rank; the root's data on
             entry there, filled on return everywhere.
         root: the rank whose data everyone gets.
-        stream, rank, size, chunk_bytes: as ``allreduce``.
+        chunk_bytes: the least a rank forwards at once while more is still to come
+            (``broadcast_chunk_bytes``).
+        stream, rank, size: as ``allreduce``.
     """
     n = size
     if n == 1 or buffer.size == 0:
         return
-    raw = buffer.view(np.uint8)
-    chunks = [raw[start : start + chunk_bytes].data for start in range(0, raw.size, chunk_bytes)]
+    data = buffer.view(np.uint8).reshape(-1).data
+    total = len(data)
     position = (rank - root) % n  # along the chain: the root 0, its left neighbour n - 1
-    sends: deque[memoryview] = deque(chunks if position == 0 else ())
-    receives: deque[memoryview] = deque(chunks if position > 0 else ())
-    forwards = position < n - 1
-    sending: memoryview | None = None
-    incoming: memoryview | None = None
-    got = 0
-    while receives or incoming is not None or sends or sending is not None:
-        sending, progressed = _send_ready(stream, sending, sends)
-        if incoming is None and receives:
-            incoming, got = receives.popleft(), 0
-        if incoming is not None:
-            received = stream.recv_into(incoming[got:])
-            got += received
-            progressed = progressed or received > 0
-            if got == len(incoming):
-                if forwards:
-                    sends.append(incoming)
-                incoming = None
+    # The bytes this rank holds, and those of them it has passed on: the root holds them
+    # all, and the chain's last rank passes nothing on (it counts as having sent all).
+    received = total if position == 0 else 0
+    sent = 0 if position < n - 1 else total
+    take = total if position == n - 1 else max(2 * chunk_bytes, BROADCAST_TAKE_MIN)
+    while received < total or sent < total:
+        forwarding = sent < received and (received - sent >= chunk_bytes or received == total)
+        progressed = False
+        if forwarding:
+            done = stream.send(data[sent:received])
+            sent += done
+            progressed = done > 0
+        if received < total:
+            got = stream.recv_into(data[received : received + take])
+            received += got
+            progressed = progressed or got > 0
         if not progressed:
-            stream.wait(sending is not None or bool(sends), incoming is not None)
+            stream.wait(forwarding, received < total)
 
 
 def _send_ready(stream: RingStream, sending: memoryview | None, sends: deque[memoryview]) -> tuple[memoryview | None, bool]:
