@@ -117,7 +117,7 @@ CASES = [
     ("broadcast", 64 * MiB, "shm", 3, 2, "shm barrier", 5),
     ("broadcast", 64 * MiB, "tcp", 2, 0, "tcp exchange", 1),
     ("broadcast", 16 * MiB, "tcp", 3, 0, "ring send", 10),  # the chain along the ring: rank 0 forwards
-    ("broadcast", 256 << 10, "tcp", 4, 1, "tcp exchange", 2),  # scatter, then the ring allgather
+    ("broadcast", 256 << 10, "tcp", 4, 1, "ring send", 2),  # the chain from 256 KiB: root 3, then 0, 1 (forwards), 2
     ("broadcast", 64 << 10, "tcp", 4, 0, "tcp exchange", 2),  # the binomial tree: rank 0 forwarding to rank 2
     ("alltoall", 16 * MiB, "shm", 4, 3, "shm barrier", 2),
     ("alltoall", 16 * MiB, "tcp", 3, 1, "tcp exchange", 1),
