@@ -57,9 +57,9 @@ CHUNK_BYTES = 1 << 20
 # forwards what has arrived".
 BROADCAST_CHUNK_MIN = 16 * 1024
 BROADCAST_CHUNK_MAX = 512 * 1024
-# What a forwarding rank takes from its socket at once, at least (and at least two chunks):
-# it forwards what it took while that is still in its caches, where a rank held up for a
-# while would otherwise pull megabytes before sending any.
+# What a forwarding rank takes from its socket at once, at least (and at least two chunks),
+# so that a rank held up for a while does not pull megabytes before it sends any: taking
+# all that waited measured slower at 8 emulated hosts (docs/performance.md, as above).
 BROADCAST_TAKE_MIN = 256 * 1024
 
 

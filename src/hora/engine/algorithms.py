@@ -26,9 +26,9 @@ from hora.collectives.ring import Bounds
 DOUBLING_MAX_BYTES = 64 * 1024
 # Broadcasts from this size (with more than two ranks) scatter, then allgather around the
 # ring: every link carries ~2(n-1)/n of the buffer, instead of the root's link n - 1
-# copies, for n more steps of latency; larger ones still (``pipeline.chains``: with its
-# 16 KiB chunks, every size from here below 16 ranks) go along the ring as a pipelined
-# chain, every link carrying the buffer once.
+# copies, for n more steps of latency; larger ones still (``pipeline.chains``; with its
+# 16 KiB chunks, every size from here on fewer than 16 ranks) go along the ring as a
+# pipelined chain, every link carrying the buffer once.
 SCATTER_BROADCAST_MIN_BYTES = 256 * 1024
 # From this size up to the one above, broadcast goes along a binomial tree
 # (``pointwise.tree_broadcast``): log2 n transfers of the buffer in a row instead of the
