@@ -475,8 +475,15 @@ class ControlPlane:
                     self.responses.append(response)
                 elif member in self.links:
                     by_rank.setdefault(member, []).append(response)
+        # Members of the same process sets receive the same responses: encode each
+        # distinct sequence once (with one process set, once for every rank).
+        encoded: dict[tuple[int, ...], bytes] = {}
         for member, responses in by_rank.items():
-            self.links[member].send_frame(messages.RESPONSES, messages.encode_responses(responses), self.watch)
+            key = tuple(map(id, responses))
+            payload = encoded.get(key)
+            if payload is None:
+                payload = encoded[key] = messages.encode_responses(responses)
+            self.links[member].send_frame(messages.RESPONSES, payload, self.watch)
 
     def report_stuck(self) -> None:
         """Tells the coordinator when every thread that submits collectives here has waited

@@ -318,9 +318,9 @@ class FastLane:
         if waiting:
             return None
         if proposal.count > 1:  # the first ids agree: so must the rest (fields before number)
-            data = self._data[seq % 2]
-            mine = data[self._domain.index][: 8 * proposal.count]
-            return all(np.array_equal(theirs[: 8 * proposal.count], mine) for theirs in data)
+            data, size = self._data[seq % 2], 8 * proposal.count
+            mine = data[self._domain.index][:size].tobytes()  # bytes compare: a fraction of array_equal's cost
+            return all(theirs[:size].tobytes() == mine for theirs in data)
         return True
 
     def settle(self) -> tuple[Proposal, bool] | None:

@@ -22,6 +22,7 @@ receives and sends at most N - 1 times the budget per frame of requests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,4 +100,4 @@ def computed_result(response: Response, requests: dict[int, Request], riders: di
 
 
 def _nbytes(request: Request, storage: np.dtype[np.generic]) -> int:
-    return int(np.prod(request.shape, dtype=np.int64)) * storage.itemsize
+    return math.prod(request.shape) * storage.itemsize
