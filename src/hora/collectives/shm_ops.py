@@ -98,38 +98,44 @@ def allreduce(
         return
     step = _capacity(group, buffer.dtype)
     slots = _slots(step, n)
+    views = _views(group, buffer.dtype, step)
+    # Each round's first element and shares of the window.
+    rounds = [(start, even_bounds(min(step, buffer.size - start), n)) for start in range(0, buffer.size, step)]
 
-    def stage(k: int, half: int) -> np.ndarray:
-        return _typed(group.stage(k, half), buffer.dtype, step)
-
-    def shares(start: int) -> Bounds:
-        return even_bounds(min(step, buffer.size - start), n)
-
-    def publish(start: int, half: int) -> None:
+    def publish(r: int, half: int) -> None:
         # Only the shares others reduce; this rank's own share stays private.
-        mine = stage(me, half)
-        for k, (offset, length) in enumerate(shares(start)):
+        start, shares = rounds[r]
+        mine = views[me][half]
+        for k, (offset, length) in enumerate(shares):
             if k != me:
                 mine[slots[k] : slots[k] + length] = buffer[start + offset : start + offset + length]
 
-    def reduce_own(start: int, half: int) -> None:
+    def reduce_own(r: int, half: int) -> None:
         # In place in the private buffer (an in-place ufunc writes memory it has just read,
         # which costs less than writing a third buffer), then published for the others.
-        offset, length = shares(start)[me]
+        start, shares = rounds[r]
+        offset, length = shares[me]
         own = buffer[start + offset : start + offset + length]
         for k in range(n):
             if k != me:
-                reduce(own, stage(k, half)[slots[me] : slots[me] + length])
+                reduce(own, views[k][half][slots[me] : slots[me] + length])
         if postscale is not None:
             postscale(own)
-        stage(me, half)[slots[me] : slots[me] + length] = own
+        views[me][half][slots[me] : slots[me] + length] = own
 
-    def collect(start: int, half: int) -> None:
-        for k, (offset, length) in enumerate(shares(start)):
+    def collect(r: int, half: int) -> None:
+        start, shares = rounds[r]
+        for k, (offset, length) in enumerate(shares):
             if k != me:
-                buffer[start + offset : start + offset + length] = stage(k, half)[slots[k] : slots[k] + length]
+                buffer[start + offset : start + offset + length] = views[k][half][slots[k] : slots[k] + length]
 
-    _rounds(group, list(range(0, buffer.size, step)), publish, reduce_own, collect)
+    _rounds(group, len(rounds), publish, reduce_own, collect)
+
+
+def _views(group: SharedGroup, dtype: np.dtype[np.generic], step: int) -> list[list[np.ndarray]]:
+    """Every member's two staging halves as ``step`` elements of ``dtype``, by member then
+    half: made once per collective, since a round's Python is what bounds small rounds."""
+    return [[_typed(group.stage(k, half), dtype, step) for half in (0, 1)] for k in range(group.size)]
 
 
 def _slots(step: int, n: int) -> list[int]:
@@ -140,35 +146,34 @@ def _slots(step: int, n: int) -> list[int]:
 
 def _rounds(
     group: SharedGroup,
-    starts: list[int],
+    count: int,
     publish: Callable[[int, int], None],
     reduce_own: Callable[[int, int], None],
     collect: Callable[[int, int], None],
 ) -> None:
-    """Runs an allreduce's rounds, one barrier each (see the module).
+    """Runs an allreduce's ``count`` rounds, one barrier each (see the module).
 
     Args:
-        starts: each round's first element.
-        publish: ``(start, half)``: puts the shares of that round that others reduce into
+        publish: ``(round, half)``: puts the shares of that round that others reduce into
             this member's half.
-        reduce_own: ``(start, half)``: reduces this member's share of that round from the
+        reduce_own: ``(round, half)``: reduces this member's share of that round from the
             others' halves and publishes the result in its own half.
-        collect: ``(start, half)``: copies the others' results of that round out of their
+        collect: ``(round, half)``: copies the others' results of that round out of their
             halves.
     """
-    if not starts:
+    if not count:
         group.barrier()
         return
-    publish(starts[0], 0)
-    for round_, start in enumerate(starts):
+    publish(0, 0)
+    for round_ in range(count):
         group.barrier()
         if round_:
-            collect(starts[round_ - 1], (round_ - 1) % 2)
-        reduce_own(start, round_ % 2)
-        if round_ + 1 < len(starts):
-            publish(starts[round_ + 1], (round_ + 1) % 2)
+            collect(round_ - 1, (round_ - 1) % 2)
+        reduce_own(round_, round_ % 2)
+        if round_ + 1 < count:
+            publish(round_ + 1, (round_ + 1) % 2)
     group.barrier()
-    collect(starts[-1], (len(starts) - 1) % 2)
+    collect(count - 1, (count - 1) % 2)
     group.barrier()
 
 
@@ -209,17 +214,16 @@ def allreduce_packed(
     step = _capacity(group, dtype)
     slots = _slots(step, n)
     total = sum(lengths)
+    views = _views(group, dtype, step)
+    # Each round's first element, shares of the window, and the tensors' parts in it.
+    rounds = [
+        (start, even_bounds(min(step, total - start), n), _parts(lengths, start, min(step, total - start)))
+        for start in range(0, total, step)
+    ]
 
-    def stage(k: int, half: int) -> np.ndarray:
-        return _typed(group.stage(k, half), dtype, step)
-
-    def layout(start: int) -> tuple[Bounds, list[tuple[int, int, int, int]]]:
-        count = min(step, total - start)
-        return even_bounds(count, n), _parts(lengths, start, count)
-
-    def publish(start: int, half: int) -> None:
-        shares, parts = layout(start)
-        mine = stage(me, half)
+    def publish(r: int, half: int) -> None:
+        _, shares, parts = rounds[r]
+        mine = views[me][half]
         for index, within, at, length in parts:
             data = inputs[index]
             for k, (offset, size) in enumerate(shares):
@@ -236,12 +240,12 @@ def allreduce_packed(
                 if k != me:
                     prescale(mine[slots[k] : slots[k] + size])
 
-    def reduce_own(start: int, half: int) -> None:
-        shares, parts = layout(start)
+    def reduce_own(r: int, half: int) -> None:
+        _, shares, parts = rounds[r]
         offset, size = shares[me]
         at_stage = slots[me] - offset  # element e of the window lies at at_stage + e in a half
-        mine = stage(me, half)
-        others = [stage(k, half) for k in range(n) if k != me]
+        mine = views[me][half]
+        others = [views[k][half] for k in range(n) if k != me]
         for index, within, at, length in parts:
             lo, hi = max(at, offset), min(at + length, offset + size)
             if lo >= hi:
@@ -254,8 +258,8 @@ def allreduce_packed(
             if target is not None:
                 mine[at_stage + lo : at_stage + hi] = result
 
-    def collect(start: int, half: int) -> None:
-        shares, parts = layout(start)
+    def collect(r: int, half: int) -> None:
+        _, shares, parts = rounds[r]
         for index, within, at, length in parts:
             target = outputs[index]
             if target is None:
@@ -263,10 +267,9 @@ def allreduce_packed(
             for k, (offset, size) in enumerate(shares):
                 lo, hi = max(at, offset), min(at + length, offset + size)
                 if k != me and lo < hi:
-                    theirs = stage(k, half)
-                    target[within + lo - at : within + hi - at] = theirs[slots[k] + lo - offset : slots[k] + hi - offset]
+                    target[within + lo - at : within + hi - at] = views[k][half][slots[k] + lo - offset : slots[k] + hi - offset]
 
-    _rounds(group, list(range(0, total, step)), publish, reduce_own, collect)
+    _rounds(group, len(rounds), publish, reduce_own, collect)
 
 
 def _reduce_own(
