@@ -396,6 +396,29 @@ def test_shared_memory_packed_allreduce(size: int, dtype: DataType, in_place: bo
             assert np.array_equal(outputs[index], results[size - 1][index])  # bit-identical on every rank
 
 
+def test_packed_windows_hold_each_tensors_part_of_each_window() -> None:
+    # The packed allreduce lays out all its rounds in one pass over the tensors; each
+    # window's parts must be the overlap of that window with each tensor, in order.
+    from hora.collectives import shm_ops
+
+    def alone(lengths: list[int], start: int, count: int) -> list[tuple[int, int, int, int]]:
+        parts, position = [], 0
+        for index, length in enumerate(lengths):
+            lo, hi = max(start, position), min(start + count, position + length)
+            if lo < hi:
+                parts.append((index, lo - position, lo - start, hi - lo))
+            position += length
+        return parts
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        lengths = [int(k) for k in rng.choice([0, 1, 2, 5, 17, 64, 100, 1000], size=int(rng.integers(1, 12)))]
+        step = int(rng.choice([1, 3, 16, 64, 100, 1024]))
+        total = sum(lengths)
+        want = [alone(lengths, start, min(step, total - start)) for start in range(0, total, step)]
+        assert shm_ops._windows(lengths, step) == want, (lengths, step)
+
+
 class SerialRanks:
     """Thread ranks that run one at a time between barriers, in a fresh random order
     after every barrier. A collective that is correct under every such order has no

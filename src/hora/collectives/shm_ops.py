@@ -217,8 +217,8 @@ def allreduce_packed(
     views = _views(group, dtype, step)
     # Each round's first element, shares of the window, and the tensors' parts in it.
     rounds = [
-        (start, even_bounds(min(step, total - start), n), _parts(lengths, start, min(step, total - start)))
-        for start in range(0, total, step)
+        (start, even_bounds(min(step, total - start), n), parts)
+        for start, parts in zip(range(0, total, step), _windows(lengths, step))
     ]
 
     def publish(r: int, half: int) -> None:
@@ -315,9 +315,9 @@ def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduc
         return
     share = max(1, _capacity(group, buffer.dtype) // n)  # elements of each segment per round
     longest = max(length for _, length in bounds)
+    views = _views(group, buffer.dtype, share * n)
     for round_, start in enumerate(range(0, max(longest, 1), share)):
-        half = round_ % 2
-        stages = [_typed(group.stage(k, half), buffer.dtype, share * n) for k in range(n)]
+        stages = [views[k][round_ % 2] for k in range(n)]
         for k, (offset, length) in enumerate(bounds):
             piece = max(0, min(share, length - start))
             if k != me and piece:
@@ -356,48 +356,55 @@ def allgather_pieces(group: SharedGroup, buffer: np.ndarray, pieces: list[Bounds
     if n == 1:
         return
     step = _capacity(group, buffer.dtype)
-    totals = [sum(length for _, length in spans) for spans in pieces]
-    for round_, start in enumerate(range(0, max(max(totals), 1), step)):
+    views = _views(group, buffer.dtype, step)
+    # By member, by round: (offset in the buffer, offset in the staging half, length).
+    slices = [_slices(spans, step) for spans in pieces]
+    for round_ in range(max(1, max(len(rounds) for rounds in slices))):
         half = round_ % 2
-        stage = group.stage(me, half)
-        for offset, at, length in _slices(pieces[me], start, step):
-            _typed(stage, buffer.dtype, at + length)[at:] = buffer[offset : offset + length]
+        if round_ < len(slices[me]):
+            stage = views[me][half]
+            for offset, at, length in slices[me][round_]:
+                stage[at : at + length] = buffer[offset : offset + length]
         group.barrier()
         for k in range(n):
-            if k == me:
-                continue
-            stage = group.stage(k, half)
-            for offset, at, length in _slices(pieces[k], start, step):
-                buffer[offset : offset + length] = _typed(stage, buffer.dtype, at + length)[at:]
+            if k != me and round_ < len(slices[k]):
+                stage = views[k][half]
+                for offset, at, length in slices[k][round_]:
+                    buffer[offset : offset + length] = stage[at : at + length]
     group.barrier()
 
 
-def _slices(spans: Bounds, start: int, count: int) -> list[tuple[int, int, int]]:
-    """The parts of elements ``[start, start + count)`` of the spans laid end to end.
+def _slices(spans: Bounds, step: int) -> list[list[tuple[int, int, int]]]:
+    """The parts of each window of ``step`` elements of the spans laid end to end.
 
     Returns:
-        (offset in the buffer, offset in the staging half, length) of each part.
+        by window: (offset in the buffer, offset in the staging half, length) of each part.
     """
-    lengths = [length for _, length in spans]
-    return [(spans[index][0] + within, at, length) for index, within, at, length in _parts(lengths, start, count)]
+    return [
+        [(spans[index][0] + within, at, length) for index, within, at, length in parts]
+        for parts in _windows([length for _, length in spans], step)
+    ]
 
 
-def _parts(lengths: list[int], start: int, count: int) -> list[tuple[int, int, int, int]]:
-    """The parts of elements ``[start, start + count)`` of items laid end to end.
+def _windows(lengths: list[int], step: int) -> list[list[tuple[int, int, int, int]]]:
+    """The parts of every window of ``step`` elements of items laid end to end, in one
+    pass over the items.
 
     Returns:
-        (item index, offset within the item, offset from ``start``, length) of each part.
+        by window: (item index, offset within the item, offset from the window's start,
+        length) of each part.
     """
-    parts: list[tuple[int, int, int, int]] = []
-    position = 0  # where the current item begins, items laid end to end
+    windows: list[list[tuple[int, int, int, int]]] = [[] for _ in range(-(-sum(lengths) // step))]
+    position = 0  # where the current item begins
     for index, length in enumerate(lengths):
-        lo, hi = max(start, position), min(start + count, position + length)
-        if lo < hi:
-            parts.append((index, lo - position, lo - start, hi - lo))
-        position += length
-        if position >= start + count:
-            break
-    return parts
+        lo, end = position, position + length
+        while lo < end:
+            window = lo // step
+            hi = min(end, (window + 1) * step)
+            windows[window].append((index, lo - position, lo - window * step, hi - lo))
+            lo = hi
+        position = end
+    return windows
 
 
 def broadcast(group: SharedGroup, buffer: np.ndarray, root: int) -> None:
