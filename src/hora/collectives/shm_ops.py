@@ -317,7 +317,7 @@ def reduce_scatter(group: SharedGroup, buffer: np.ndarray, bounds: Bounds, reduc
     longest = max(length for _, length in bounds)
     views = _views(group, buffer.dtype, share * n)
     for round_, start in enumerate(range(0, max(longest, 1), share)):
-        stages = [views[k][round_ % 2] for k in range(n)]
+        stages = [member[round_ % 2] for member in views]
         for k, (offset, length) in enumerate(bounds):
             piece = max(0, min(share, length - start))
             if k != me and piece:
@@ -359,7 +359,7 @@ def allgather_pieces(group: SharedGroup, buffer: np.ndarray, pieces: list[Bounds
     views = _views(group, buffer.dtype, step)
     # By member, by round: (offset in the buffer, offset in the staging half, length).
     slices = [_slices(spans, step) for spans in pieces]
-    for round_ in range(max(1, max(len(rounds) for rounds in slices))):
+    for round_ in range(max(1, *map(len, slices))):
         half = round_ % 2
         if round_ < len(slices[me]):
             stage = views[me][half]
