@@ -88,10 +88,10 @@ def data_type_of(dtype: np.dtype[np.generic]) -> DataType:
 def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether ``b`` is ``a``'s memory, byte for byte: an output aliased to its input
     (inside ``jax.jit`` they come as two views, one read-only). Outputs are either that
-    or disjoint from the inputs, never partly overlapping."""
-    return a is b or (
-        a.nbytes == b.nbytes and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-    )
+    or disjoint from the inputs, never partly overlapping, so memory the two share is the
+    same memory (``np.may_share_memory`` compares bounds in C; ``__array_interface__``
+    builds a dictionary per call, 4 us, on every tensor's path)."""
+    return a is b or (a.nbytes == b.nbytes and np.may_share_memory(a, b))
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -210,8 +210,11 @@ def allreduce_submit(
     kind = RequestType.ADASUM if op == ADASUM else RequestType.ALLREDUCE
 
     def submit(tensor: Any, full: str, group: tuple[str, int]) -> tuple[Handle, Callable[[Any], Any]]:
-        wire, output, finish = _staged_pair(adapter, tensor, tensor_label("allreduce", full), inplace)
-        handle = ops.allreduce(runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set, group)
+        label = tensor_label("allreduce", full)
+        wire, output, finish = _staged_pair(adapter, tensor, label, inplace)
+        handle = ops.allreduce(
+            runtime, wire, output, full, op, prescale_factor, postscale_factor, process_set, group, label
+        )
         return handle, lambda _: finish()
 
     return _queue(kind, "allreduce", tensors, name, process_set, grouped, key, submit)

@@ -69,7 +69,7 @@ def from_numpy(array: np.ndarray, *, writable: bool = False) -> Tensor:
     storage = np.ascontiguousarray(array).reshape(-1)
     if dtype == DataType.BFLOAT16:
         storage = storage.view(np.uint16)
-    return Tensor(storage, tuple(int(d) for d in array.shape), dtype)
+    return Tensor(storage, array.shape, dtype)  # an ndarray's shape is a tuple of ints
 
 
 def group_names(base: str, count: int) -> list[str]:
@@ -137,6 +137,15 @@ def set_id(runtime: Runtime, process_set: ProcessSet, what: str) -> int:
     Raises:
         ValueError: the set is not registered, or this rank is not a member.
     """
+    return membership(runtime, process_set, what)[0]
+
+
+def membership(runtime: Runtime, process_set: ProcessSet, what: str) -> tuple[int, tuple[int, ...]]:
+    """``set_id``, and the set's global ranks in order.
+
+    Raises:
+        ValueError: the set is not registered, or this rank is not a member.
+    """
     if process_set.process_set_id is None or process_set._runtime is not runtime:
         raise ValueError(f"{what}: {process_set!r} is not registered with the running job (add it first)")
     members = runtime.engine.sets.get(process_set.process_set_id)
@@ -147,7 +156,7 @@ def set_id(runtime: Runtime, process_set: ProcessSet, what: str) -> int:
             f"{what}: rank {runtime.rank} is not a member of process set {process_set.process_set_id} "
             f"(ranks {list(members)}); only members may run its collectives"
         )
-    return process_set.process_set_id
+    return process_set.process_set_id, members
 
 
 def _members(runtime: Runtime, set_id_: int) -> tuple[int, ...]:
@@ -194,20 +203,25 @@ def allreduce(
     postscale: float,
     process_set: ProcessSet,
     group: tuple[str, int] = ("", 0),
+    label: str | None = None,
 ) -> Handle:
     """Queues an allreduce of ``tensor`` into ``output`` (a flat view; may be ``tensor.data``).
 
     Average is a sum with ``postscale`` divided by the set size, as in Horovod.
+
+    Args:
+        label: the tensor as messages name it (``tensor_label``), where the caller has it.
     """
-    label = tensor_label("allreduce", name)
+    if label is None:
+        label = tensor_label("allreduce", name)
     _check_reduce(label, op, tensor, (AVERAGE, SUM, MIN, MAX, PRODUCT, ADASUM))
-    sid = set_id(runtime, process_set, label)
+    sid, members = membership(runtime, process_set, label)
     kind = RequestType.ALLREDUCE
     if op == ADASUM:
         kind = RequestType.ADASUM
-        _check_adasum(label, tensor, sid, len(_members(runtime, sid)))
+        _check_adasum(label, tensor, sid, len(members))
     if op == AVERAGE:
-        postscale = postscale / len(_members(runtime, sid))
+        postscale = postscale / len(members)
     return runtime.submit(
         kind, name, tensor.dtype, tensor.data, output, tensor.shape, sid,
         reduce_op=op, prescale=prescale, postscale=postscale, group=group[0], group_size=group[1],

@@ -37,6 +37,22 @@ log = logging.getLogger(__name__)
 Finish = Callable[[Any], Any]
 
 
+class _ThreadState(threading.local):
+    """What each thread has open with the runtime.
+
+    Attributes:
+        pending: the entries of this thread's open ``batch()``, or None.
+        scope: the scope of this thread's requests (``in_scope``; 0: none).
+
+    The defaults are class attributes, so a thread that never set one reads it without
+    the AttributeError a bare ``threading.local`` raises and ``getattr`` swallows (1 us
+    a read, twice on every tensor's path).
+    """
+
+    pending: list[Entry] | None = None
+    scope: int = 0
+
+
 class Runtime:
     """One initialized hora job, as seen from this process.
 
@@ -76,8 +92,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._handles: dict[int, tuple[Handle | list[Handle], Finish]] = {}
-        self._batch = threading.local()  # .pending: the entries of this thread's open batch()
-        self._scope = threading.local()  # .number: the scope of this thread's requests (in_scope)
+        self._threads = _ThreadState()
         self._unnamed: dict[tuple[str, int], int] = {}
         self._scopes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._scope_numbers = itertools.count(1)  # not len(_scopes): collected scopes leave it
@@ -116,12 +131,12 @@ class Runtime:
     def in_scope(self, number: int) -> Iterator[None]:
         """Marks the requests and refusals this thread makes inside the block as coming
         from scope ``number`` (``Request.scope``)."""
-        outer = getattr(self._scope, "number", 0)
-        self._scope.number = number
+        outer = self._threads.scope
+        self._threads.scope = number
         try:
             yield
         finally:
-            self._scope.number = outer
+            self._threads.scope = outer
 
     def submit(
         self,
@@ -148,24 +163,24 @@ class Runtime:
         """
         self.check_process()
         request = Request(
-            rank=self.rank,
+            rank=self.topology.rank,
             type=kind,
             name=name,
             process_set_id=process_set_id,
             dtype=int(dtype),
-            shape=tuple(int(d) for d in shape),
+            shape=shape if type(shape) is tuple else tuple(int(d) for d in shape),  # ops pass tuples of ints
             reduce_op=reduce_op,
             root_rank=root_rank,
             prescale=float(prescale),
             postscale=float(postscale),
-            splits=tuple(int(s) for s in splits),
+            splits=tuple(int(s) for s in splits) if splits else (),
             group=group,
             group_size=group_size,
-            scope=getattr(self._scope, "number", 0),
+            scope=self._threads.scope,
         )
         handle = Handle(name, self.engine.drive)
         entry = Entry(request, dtype, data, output, handle)
-        pending: list[Entry] | None = getattr(self._batch, "pending", None)
+        pending: list[Entry] | None = self._threads.pending
         if pending is None:
             self.engine.submit(entry)
         else:
@@ -185,7 +200,7 @@ class Runtime:
         for name in names:
             request = Request(
                 rank=self.rank, type=kind, name=name, process_set_id=process_set_id,
-                group=group[0], group_size=group[1], error=error, scope=getattr(self._scope, "number", 0),
+                group=group[0], group_size=group[1], error=error, scope=self._threads.scope,
             )  # fmt: skip
             entries.append(Entry(request, DataType.UINT8, None, None, Handle(name)))
         if any(self.engine.queue.peek(process_set_id, name) is not None for name in names):
@@ -211,11 +226,11 @@ class Runtime:
             HoraInternalError: the job has failed or shut down.
         """
         pending: list[Entry] = []
-        self._batch.pending = pending
+        self._threads.pending = pending
         try:
             yield
         finally:
-            self._batch.pending = None
+            self._threads.pending = None
         self.engine.submit_many(pending)
 
     def register(self, handle_id: int, handles: Handle | list[Handle], finish: Finish) -> int:

@@ -126,7 +126,7 @@ class Executor:
         if kind in (ResponseType.ALLREDUCE, ResponseType.ADASUM):
             self._allreduce(response, channel)
             return
-        entry = self._take(response, 0)
+        entry = self._take_all(response)[0]  # the other collectives are of one tensor each
         if entry is None:
             raise RuntimeError(f"hora internal error: no local tensor for {kind.name.lower()} '{response.names[0]}'")
         if kind == ResponseType.ALLGATHER:
@@ -146,22 +146,24 @@ class Executor:
         broadcast's one tensor is the root's)."""
         result = np.frombuffer(response.data, dtype=DataType(response.dtype).storage)
         offset = 0
-        for index in range(len(response.names)):
-            entry = self._take(response, index)
+        for index, entry in enumerate(self._take_all(response)):
             count = response.sizes[index] if response.type == ResponseType.ALLREDUCE else result.size
             if entry is not None and entry.output is not None:
-                np.copyto(entry.output, result[offset : offset + count])
+                entry.output[...] = result[offset : offset + count]
                 entry.handle.complete(entry.output.reshape(entry.shape))
             offset += count
 
-    def _take(self, response: Response, index: int) -> Entry | None:
-        """Removes the entry of ``response.names[index]`` and learns its cache id."""
-        entry = self.queue.pop(response.process_set_id, response.names[index])
-        if entry is not None:
-            self.running.append(entry)
-            if index < len(response.cache_ids):
-                self.cache.learn(entry.request, response.cache_ids[index])
-        return entry
+    def _take_all(self, response: Response) -> list[Entry | None]:
+        """Removes the entries of ``response``'s tensors (None: not this rank's), in
+        order, and learns their cache ids."""
+        entries = self.queue.pop_many(response.process_set_id, response.names)
+        learn, ids = self.cache.learn, response.cache_ids
+        for index, entry in enumerate(entries):
+            if entry is not None:
+                self.running.append(entry)
+                if index < len(ids):
+                    learn(entry.request, ids[index])
+        return entries
 
     def describe(self) -> str:
         """Names the collective being executed, e.g. ``allreduce 'grad'`` (for messages)."""
@@ -199,7 +201,7 @@ class Executor:
         """Allreduce or Adasum of one or more tensors (fused when several)."""
         dtype = DataType(response.dtype)
         reduce = reducer(SUM if response.type == ResponseType.ADASUM else response.reduce_op, dtype)
-        entries = [self._take(response, index) for index in range(len(response.names))]
+        entries = self._take_all(response)
 
         def postscale(part: np.ndarray) -> None:
             scale(part, response.postscale, dtype)
@@ -220,18 +222,22 @@ class Executor:
         only = entries[0] if len(entries) == 1 else None
         if only is not None and only.output is not None and only.input is not None:
             # One tensor: reduce in its own output buffer, no packing copy.
+            fused = False
             buffer = only.output
             if not same_memory(buffer, only.input):
                 np.copyto(buffer, only.input)
         else:
+            # Invariant: the fusion buffer is this executor's own, so it aliases no
+            # tensor; packing and unpacking copy every one. Slice assignment rather than
+            # ``np.copyto``, whose argument parsing costs 1 us a tensor.
+            fused = True
             buffer = self._buffer("_fusion", sum(response.sizes), dtype.storage)
             offset = 0
             for entry, count in zip(entries, response.sizes):
-                target = buffer[offset : offset + count]
                 if entry is None or entry.input is None:
-                    target.fill(0)  # this rank joined: it contributes zeros
+                    buffer[offset : offset + count] = 0  # this rank joined: it contributes zeros
                 else:
-                    np.copyto(target, entry.input)
+                    buffer[offset : offset + count] = entry.input
                 offset += count
         scale(buffer, response.prescale, dtype)
         if response.type == ResponseType.ADASUM:
@@ -242,8 +248,8 @@ class Executor:
         offset = 0
         for entry, count in zip(entries, response.sizes):
             if entry is not None and entry.output is not None:
-                if not same_memory(entry.output, buffer[offset : offset + count]):
-                    np.copyto(entry.output, buffer[offset : offset + count])
+                if fused:
+                    entry.output[...] = buffer[offset : offset + count]
                 entry.handle.complete(entry.output.reshape(entry.shape))
             offset += count
 

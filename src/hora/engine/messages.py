@@ -82,9 +82,13 @@ def split_name(op: str, name: str) -> tuple[str, str | None]:
     """A tensor's name as (operation, the name the program gave; None for a barrier)."""
     if name == op:
         return op, None
-    for prefix in (f"{op}.", f"grouped_{op}."):
-        if name.startswith(prefix):
-            return prefix[:-1], name[len(prefix) :]
+    # On every tensor's path (its label): plain comparisons, no prefix strings built.
+    end = len(op)
+    if name.startswith(op) and name.startswith(".", end):
+        return op, name[end + 1 :]
+    end += 8  # len("grouped_")
+    if name.startswith("grouped_") and name.startswith(op, 8) and name.startswith(".", end):
+        return name[:end], name[end + 1 :]
     return op, name
 
 

@@ -84,13 +84,13 @@ class TensorQueue:
                     f"{entries[0].request.label}: more than {MAX_IN_FLIGHT} collectives would be in flight on this "
                     "rank; wait for some (synchronize) before submitting more"
                 )
-            keys = set()
+            added = {}
             for entry in entries:
-                if entry.key in self._entries or entry.key in keys:
-                    raise ValueError(DUPLICATE_NAME.format(label=entry.request.label, set_id=entry.key[0]))
-                keys.add(entry.key)
-            for entry in entries:
-                self._entries[entry.key] = entry
+                key = entry.key
+                if key in self._entries or key in added:
+                    raise ValueError(DUPLICATE_NAME.format(label=entry.request.label, set_id=key[0]))
+                added[key] = entry
+            self._entries.update(added)
             self._new.extend(entries)
 
     def add_refusals(self, entries: list[Entry]) -> None:
@@ -131,6 +131,12 @@ class TensorQueue:
         """Removes and returns the entry, or None if this rank never submitted it."""
         with self._lock:
             return self._entries.pop((set_id, name), None)
+
+    def pop_many(self, set_id: int, names: list[str]) -> list[Entry | None]:
+        """``pop`` for each of ``names``, in order, under one lock (a fused response's tensors)."""
+        with self._lock:
+            pop = self._entries.pop
+            return [pop((set_id, name), None) for name in names]
 
     def close(self, error_for: Callable[[Entry], BaseException]) -> None:
         """Fails every entry in flight and every later ``add`` with ``error_for(entry)``.
