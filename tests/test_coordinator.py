@@ -190,6 +190,28 @@ def test_a_tensor_only_refused_is_no_stall_and_no_deadline():
     assert [s.name for s in c.stalls(0)] == ["b"] and c.next_deadline() == 200.0
 
 
+def test_the_deadline_is_the_oldest_waited_for_tensor_also_after_a_clock_restarts():
+    now = [100.0]
+    c = Coordinator(2, fusion_threshold=0, clock=lambda: now[0])
+    # A refusal from TF1 graph 1 for "k", then tensors a rank waits for.
+    c.submit(Request(1, RequestType.ALLTOALL, "alltoall.k", error="ValueError: a scalar", scope=1))
+    now[0] = 110.0
+    c.submit(req(0, "a"))
+    now[0] = 120.0
+    c.submit(req(0, "b"))
+    assert c.next_deadline() == 110.0
+    # Graph 2's "k" retires the stale refusal: that tensor is new, first seen now.
+    now[0] = 130.0
+    c.submit(req(0, "alltoall.k", kind=RequestType.ALLTOALL, scope=2))
+    assert c.next_deadline() == 110.0
+    c.submit(req(1, "a"))  # "a" runs: "b" is the oldest left, then "k"
+    c.take()
+    assert c.next_deadline() == 120.0
+    c.submit(req(1, "b"))
+    c.take()
+    assert c.next_deadline() == 130.0 and [s.name for s in c.stalls(0)] == ["alltoall.k"]
+
+
 def test_cached_tensors_skip_validation_and_changes_are_caught(monkeypatch):
     from hora.engine import validate
 

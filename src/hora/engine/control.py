@@ -209,13 +209,8 @@ class ControlPlane:
             self.distribute(self.coordinator.take())
         if self.timeline is not None and (new or self.responses):
             self.timeline.cycle()
-        tuner = self.tuner
         while self.responses:
-            self.before_response()
-            response = self.responses.popleft()
-            self.executor.run(response)
-            if tuner is not None and tuner.active and response.type in STEP_KINDS:
-                self.measure(response.names, bytes_allreduced(response))
+            self.run_next()
         if self.stall is not None and self.coordinator is not None:
             self.stall.check(self.coordinator)
         if self.silences:
@@ -225,6 +220,26 @@ class ControlPlane:
         if self.waiting:
             self.report_stuck()
         return worked
+
+    def run_next(self) -> None:
+        """Executes the next response of the sequence (the caller holds the drive lock)."""
+        self.before_response()
+        response = self.responses.popleft()
+        self.executor.run(response)
+        tuner = self.tuner
+        if tuner is not None and tuner.active and response.type in STEP_KINDS:
+            self.measure(response.names, bytes_allreduced(response))
+
+    def run_delivered(self) -> None:
+        """Executes the responses at the head of the sequence that carry their results
+        (``hora.engine.riders``): each only copies its result out, with nothing to wait
+        for, so a submitting thread runs them rather than wake the engine thread to (a
+        wake-up costs a cross-CPU interrupt and the GIL's hand-over, more than the copy).
+        Stops at the first response with a data phase, and while a lane proposal is
+        pending (settling it may run one)."""
+        lane = self.lane
+        while self.responses and self.responses[0].data and (lane is None or lane.pending is None):
+            self.run_next()
 
     def plan(self, engine_thread: bool) -> WaitPlan:
         """What a sleeper needs now (under the drive lock); see ``WaitPlan``."""

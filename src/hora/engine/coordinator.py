@@ -192,7 +192,7 @@ class Coordinator:
         if self.timeline is not None:
             self.timeline.tick(request.name, str(request.rank))
         if request.scope and not request.error:
-            self._retire_stale_refusals(pending, request.scope)
+            self._retire_stale_refusals(key, pending, request.scope)
         if request.rank not in pending.requests:
             if self._waiting_of[request.rank] >= MAX_PENDING_PER_RANK:
                 raise ProtocolError(
@@ -204,7 +204,7 @@ class Coordinator:
             pending.cached[request.rank] = cache_id
         return key, pending, members
 
-    def _retire_stale_refusals(self, pending: _Pending, scope: int) -> None:
+    def _retire_stale_refusals(self, key: tuple[int, str], pending: _Pending, scope: int) -> None:
         """Drops the refusals of ``pending`` sent while ranks built an earlier TF1 graph
         than ``scope``, the graph of a request that just came under the same name.
 
@@ -221,7 +221,10 @@ class Coordinator:
                 del pending.requests[rank]
                 self._waiting_of[rank] -= 1
         if not pending.requests:
-            pending.first_seen = self._clock()  # for stall warnings, the tensor is new
+            # For stall warnings the tensor is new: it goes to the end (see next_deadline).
+            pending.first_seen = self._clock()
+            del self._pending[key]
+            self._pending[key] = pending
 
     def depart(self, rank: int, how: str = "has shut down") -> None:
         """Records that ``rank`` left: collectives that need it fail, others go on.
@@ -337,7 +340,11 @@ class Coordinator:
     def next_deadline(self) -> float | None:
         """The clock time the oldest pending tensor a rank waits for was first seen, or
         None when none is waited for (see ``stalls``)."""
-        return min((p.first_seen for p in self._pending.values() if p.waited_for()), default=None)
+        # Invariant: ``_pending`` is in the order of ``first_seen`` (insertion order, and a
+        # tensor whose clock restarts moves to the end), so the first waited for is the
+        # oldest: a plan per submit must not scan every tensor in flight (a burst of n
+        # tensors cost n^2 / 2 scans).
+        return next((p.first_seen for p in self._pending.values() if p.waited_for()), None)
 
     def _join(self, rank: int) -> None:
         self._joined.add(rank)

@@ -323,6 +323,7 @@ class Engine:
                         proposed = control.lane is not None and control.lane.pending is not None
                     if control.coordinator is not None:
                         control.distribute(control.coordinator.take())
+                    control.run_delivered()
             except BaseException as exc:  # noqa: BLE001 - the engine thread fails the job with it
                 self._caller_error = exc
             finally:
