@@ -108,12 +108,12 @@ def stage(tensor: torch.Tensor, *, writable: bool, what: str) -> Staged:
             hint = " (use sparse_allreduce_async, or sparse_as_dense=True in DistributedOptimizer)"
         raise ValueError(f"{what}: {tensor.layout} tensors are not supported; pass a dense tensor{hint}")
     dtype = wire_type(tensor)
-    if tensor.device.type == "meta":
+    if tensor.is_meta:  # the flags, not ``device.type``: a device object per call, 0.45 us
         raise ValueError(f"{what}: a tensor on the meta device has no data to send")
     if writable and not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     host = tensor.detach()
-    if host.device.type != "cpu":
+    if not host.is_cpu:
         # Staged through host memory (hora has no device data plane yet).
         host = host.to(_CPU).contiguous()
     elif writable:
