@@ -129,7 +129,8 @@ def main() -> None:
         cells = {p: statistics.median(r[p] for r in results[engine]) for p in PATTERNS}
         ratios = "".join(f"{cells[p] / hora[p]:14.2f}" for p in PATTERNS)
         print(f"{engine:14s}" + "".join(f"{cells[p]:12.2f}" for p in PATTERNS) + ratios)
-        print(f"{'':14s}" + "".join(f"{'/'.join(f'{r[p]:.1f}' for r in results[engine]):>12s}" for p in PATTERNS))
+        rounds = ", ".join(p + " " + "/".join(f"{r[p]:.2f}" for r in results[engine]) for p in PATTERNS)
+        print(f"{'':14s}rounds: {rounds}")
 
 
 if __name__ == "__main__":
