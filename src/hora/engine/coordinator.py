@@ -179,7 +179,7 @@ class Coordinator:
             error += "" if members is None else f" or does not include rank {request.rank}"
             self._emit(Response(ResponseType.ERROR, [request.name], request.process_set_id, error=error), (request.rank,))
             return None
-        gone = self._departed.keys() & set(members)
+        gone = self._departed.keys() & set(members) if self._departed else None
         if gone:
             self._emit(self._aborted(request.label, request.name, request.process_set_id, gone), (request.rank,))
             return None
@@ -368,7 +368,12 @@ class Coordinator:
         return True
 
     def _check_ready(self, key: tuple[int, str], pending: _Pending, members: tuple[int, ...]) -> None:
-        if any(rank not in pending.requests and rank not in self._joined for rank in members):
+        # Every request is a member's (``_record``), so with nobody joined a count tells;
+        # checking each member on each rank's request cost n^2 per tensor at n ranks.
+        if self._joined:
+            if any(rank not in pending.requests and rank not in self._joined for rank in members):
+                return
+        elif len(pending.requests) < len(members):
             return
         self._drop(key)
         requests = [pending.requests[rank] for rank in sorted(pending.requests)]
