@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hora.collectives.reduce import AVERAGE, SUM, DataType
+from hora.collectives.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM, DataType, reducer, scale
 from hora.engine.coordinator import Coordinator
 from hora.engine.executor import Executor
 from hora.engine.fusion import fuse
@@ -450,6 +450,34 @@ def test_riders_allreduce_in_member_order_with_scales_and_only_when_every_member
         for rank in range(3):
             c.submit_many([], [0], rank, riders=[f32(1, 1, 1, 1)] if rank else rank0_rider)
         assert [r.data for r, _ in c.take()] == [b""]
+
+
+@pytest.mark.parametrize("dtype", [DataType.FLOAT16, DataType.FLOAT32, DataType.FLOAT64, DataType.INT8,
+                                   DataType.UINT8, DataType.INT32, DataType.INT64, DataType.BOOL, DataType.BFLOAT16])
+def test_riders_reduce_in_the_storage_type_folding_members_in_order(dtype):
+    # What the members' data phase would compute: rank 0's tensor, then each other rank's
+    # folded in, in the storage type (small integers wrap, floats round at every step).
+    rng = np.random.default_rng(int(dtype))
+    storage = dtype.storage
+    ops = [SUM, MIN, MAX, PRODUCT] + ([AVERAGE] if dtype.is_float else [])
+    for op in ops:
+        c = Coordinator(4, fusion_threshold=0)
+        if dtype == DataType.BOOL:
+            parts = [rng.integers(0, 2, 37).astype(np.bool_) for _ in range(4)]
+        elif dtype.is_float and dtype != DataType.BFLOAT16:
+            parts = [(rng.standard_normal(37) * 10).astype(storage) for _ in range(4)]
+        else:
+            parts = [rng.integers(0, 200, 37).astype(storage) for _ in range(4)]
+        postscale = 0.25 if op == AVERAGE else 1.0
+        for rank in range(4):
+            request = req(rank, "r", shape=(37,), dtype=int(dtype), reduce_op=op, postscale=postscale)
+            c.submit_many([request], riders=[parts[rank].tobytes()])
+        [(response, _)] = c.take()
+        expected = parts[0].copy()
+        for part in parts[1:]:
+            reducer(op, dtype)(expected, part)
+        scale(expected, postscale, dtype)
+        assert response.data == expected.tobytes(), (dtype, op)
 
 
 def test_riders_broadcast_take_the_roots_tensor_and_skip_a_set_with_a_joined_rank():
