@@ -465,7 +465,7 @@ def test_riders_reduce_in_the_storage_type_folding_members_in_order(dtype):
         if dtype == DataType.BOOL:
             parts = [rng.integers(0, 2, 37).astype(np.bool_) for _ in range(4)]
         elif dtype.is_float and dtype != DataType.BFLOAT16:
-            parts = [(rng.standard_normal(37) * 10).astype(storage) for _ in range(4)]
+            parts = [(rng.standard_normal(37) * 2).astype(storage) for _ in range(4)]
         else:
             parts = [rng.integers(0, 200, 37).astype(storage) for _ in range(4)]
         postscale = 0.25 if op == AVERAGE else 1.0
