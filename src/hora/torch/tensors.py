@@ -55,7 +55,7 @@ class Staged:
     @property
     def staged(self) -> bool:
         """True when ``host`` is a copy (a tensor on another device), not the tensor's own memory."""
-        return self.tensor.device.type != "cpu"
+        return not self.tensor.is_cpu
 
 
 def wire_type(tensor: torch.Tensor) -> DataType:
@@ -103,10 +103,11 @@ def numpy_view(host: torch.Tensor) -> np.ndarray:
     ~100 us, against 1.3 us for this.
 
     Raises:
-        ValueError: the tensor is not contiguous (a view would not be its elements in order).
+        ValueError: the tensor is not a contiguous CPU tensor (its address would not be
+            host memory, or a view of it not its elements in order; ``numpy()`` refused both).
     """
-    if not host.is_contiguous():
-        raise ValueError("hora internal error: a NumPy view of a non-contiguous tensor")
+    if not host.is_cpu or not host.is_contiguous():
+        raise ValueError(f"hora internal error: a NumPy view of a non-contiguous or {host.device} tensor")
     typestr, count = _TYPESTR[host.dtype], host.numel()
     if count == 0:
         return np.empty(0, dtype=typestr)  # no address to view
@@ -134,7 +135,7 @@ def stage(tensor: torch.Tensor, *, writable: bool, what: str) -> Staged:
             hint = " (use sparse_allreduce_async, or sparse_as_dense=True in DistributedOptimizer)"
         raise ValueError(f"{what}: {tensor.layout} tensors are not supported; pass a dense tensor{hint}")
     dtype = wire_type(tensor)
-    if tensor.is_meta:  # the flags, not ``device.type``: a device object per call, 0.45 us
+    if tensor.is_meta:  # the flags, not ``device.type`` (a device object per call, 0.45 us)
         raise ValueError(f"{what}: a tensor on the meta device has no data to send")
     if writable and not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
@@ -174,7 +175,7 @@ def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Moves a CPU result to the device of ``like`` (a no-op for CPU tensors)."""
-    return result if like.device.type == "cpu" else result.to(like.device)
+    return result if like.is_cpu else result.to(like.device)
 
 
 def write_back(staged: Staged) -> torch.Tensor:
