@@ -450,3 +450,58 @@ def test_a_caller_that_drives_its_own_submits_and_one_that_leaves_early(size):
     total = size * (size + 1) / 2
     for out in run_ranks(size, caller_left_early_job):
         assert out == {"driven": [total] * 2, "polled": True, "left": [total] * 3}
+
+
+def burst_job(marker: str) -> dict:
+    import os
+    import threading
+    import time
+
+    import hora.numpy as hvd
+    from hora.engine.control import ControlPlane
+
+    announced: list[tuple[str, list[str]]] = []
+    original = ControlPlane.announce
+
+    def recording(self, entries):  # type: ignore[no-untyped-def]
+        announced.append((threading.current_thread().name, [e.request.name for e in entries]))
+        return original(self, entries)
+
+    ControlPlane.announce = recording  # type: ignore[method-assign]
+    hvd.init()
+    me = hvd.rank()
+    burst = [f"allreduce.b{i}" for i in range(20)]
+    if me == 1:  # "first" stays in flight on rank 0 until rank 0 has submitted its burst
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    handles = [hvd.allreduce_async(np.full(3, float(me + 1)), name="first", op=hvd.Sum)]
+    handles += [hvd.allreduce_async(np.full(3, float(i * (me + 1))), name=name[10:], op=hvd.Sum) for i, name in enumerate(burst)]
+    out: dict = {}
+    if me == 0:
+        main = threading.current_thread().name
+        # Nothing waits for the burst yet: the engine thread announces it.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not set(burst) <= {n for _, names in announced for n in names}:
+            time.sleep(0.01)
+        out["first_by"] = [thread for thread, names in announced if "allreduce.first" in names]
+        out["main"] = main
+        out["burst_by"] = sorted({thread for thread, names in announced[1:] if set(names) & set(burst)})
+        with open(marker, "w"):
+            pass
+    out["results"] = [hvd.synchronize(h).tolist() for h in handles]
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_tensors_submitted_while_others_are_in_flight_are_announced_together_by_the_engine(tmp_path):
+    """A burst of ``*_async`` calls (Horovod's gradient hooks): the first tensor is
+    announced by the submitting thread at once; those submitted while it is in flight
+    are left to the engine thread, which sends what gathered in one frame, rather than
+    each call running a round of its own (Engine.submit_many)."""
+    results = run_ranks(2, burst_job, str(tmp_path / "burst-submitted"))
+    assert results[0]["first_by"] == [results[0]["main"]]
+    assert results[0]["burst_by"] == ["hora-engine-0"]
+    for out in results:
+        assert out["results"] == [[3.0] * 3] + [[3.0 * i] * 3 for i in range(20)]

@@ -290,10 +290,16 @@ class Engine:
     def submit_many(self, entries: list[Entry]) -> None:
         """Queues several tensors at once, or none, and announces them.
 
-        When no other thread runs an engine pass, this one announces them itself (and
-        on rank 0 sends the responses that became ready to their ranks); it leaves
-        executing to a waiting caller or the engine thread. Otherwise the thread in the
-        pass sees them; it is woken if it sleeps.
+        When no other thread runs an engine pass and this rank has no other tensor in
+        flight, this one announces them itself (and on rank 0 sends the responses that
+        became ready to their ranks); it leaves executing to a waiting caller or the
+        engine thread. Otherwise the thread in the pass, or the engine thread, sees them
+        (it is woken if it sleeps): in a burst of calls (Horovod's gradient hooks, a loop
+        of ``*_async`` calls) the tensors submitted while earlier ones are in flight
+        gather and go out together, in one frame that rank 0 answers with one fused
+        response, rather than a round through rank 0 per tensor run between the calls.
+        A thread that drives its submits at once (``caller_drives``) announces them
+        itself: it is about to run the passes anyway.
 
         Raises:
             ValueError: a name is in flight already (see ``TensorQueue.add_many``).
@@ -309,8 +315,11 @@ class Engine:
         # taking it and the block that lets it go (it would stay taken for ever).
         shielded = self._shield.enter()
         try:
-            # With a cycle time set, the engine thread waits that long to batch tensors.
-            if control.cycle_time_ms > 0 or not self._drive.acquire(blocking=False):
+            drives = getattr(self._drivers, "on", False)
+            # With a cycle time set, the engine thread waits that long to batch tensors;
+            # without, tensors submitted while others are in flight wait for its next pass.
+            burst = len(self.queue) > len(entries) and not drives
+            if control.cycle_time_ms > 0 or burst or not self._drive.acquire(blocking=False):
                 self._sleeper.wake_if_sleeping()
                 return
             self._shielded = shielded
@@ -329,7 +338,6 @@ class Engine:
             finally:
                 self._shielded = False
                 self._let_go()
-            drives = getattr(self._drivers, "on", False)
             if self._caller_error is not None or (control.responses and not drives):
                 self._sleeper.wake()  # the engine thread executes, unless a waiting caller gets there first
             elif proposed and not drives:
