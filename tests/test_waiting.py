@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
+import threading
+import time
 from pathlib import Path
 
-from hora.engine.waiting import SPIN_BACKOFF, SPIN_WINDOW, Spin, barrier_spin, machine_cpus
+from hora.engine.waiting import SPIN_BACKOFF, SPIN_WINDOW, Sleeper, Spin, barrier_spin, machine_cpus
 from hora.transport.shm import SPIN_SECONDS
 
 
@@ -97,3 +100,44 @@ def test_machine_cpus_reads_a_cgroup_quota_and_its_parents(tmp_path):
     v1["cpu,cpuacct/pod/cpu.cfs_quota_us"] = "-1\n"
     assert cgroups(tmp_path / "v1b", "3:cpu,cpuacct:/pod\n", v1) == cpus
     assert machine_cpus(tmp_path / "missing", tmp_path / "missing" / "cgroup") == cpus
+
+
+def _wake_bytes(sleeper: Sleeper) -> int:
+    """How many wake-up bytes are pending (and reads them)."""
+    got = 0
+    while select.select([sleeper._wake_r], [], [], 0)[0]:
+        got += len(sleeper._wake_r.recv(4096))
+    return got
+
+
+def test_a_burst_of_submits_writes_one_wake_up_byte_per_sleep_and_a_new_sleep_is_woken_again():
+    from hora.engine.control import WaitPlan
+    from hora.engine.interrupts import InterruptShield
+    from hora.engine.queue import TensorQueue
+
+    sleeper = Sleeper([], TensorQueue(), None, None, InterruptShield(), Spin(0.0, adapts=False))
+    for _ in range(3):
+        sleeper.wake_if_sleeping()
+    assert _wake_bytes(sleeper) == 0  # nobody sleeps: nothing to write
+    sleeper.sleeping = True  # as poll sets it, after clearing _rung
+    for _ in range(3):
+        sleeper.wake_if_sleeping()
+    assert _wake_bytes(sleeper) == 1
+    sleeper.sleeping = False
+
+    # A thread that goes to sleep afterwards is woken by the next submit.
+    woken = threading.Event()
+
+    def sleep() -> None:
+        sleeper.poll(sleeper.poller, lambda: WaitPlan(), caller=False, spin_since=float("-inf"))
+        woken.set()
+
+    thread = threading.Thread(target=sleep, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not sleeper.sleeping and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sleeper.sleeping
+    sleeper.wake_if_sleeping()
+    assert woken.wait(30)
+    thread.join(30)

@@ -221,9 +221,10 @@ class Sleeper:
         self._caller_poller: select.poll | None = None  # see callers_poller
         self._caller_fds: frozenset[int] = frozenset()
         # Set while the engine thread, or a caller, blocks in poll: only then does a
-        # submit need to write a wake-up byte.
+        # submit need to write a wake-up byte, and only one for each sleep (``_rung``).
         self.sleeping = False
         self.caller_sleeping = False
+        self._rung = False
 
     def wake(self) -> None:
         """Wakes whoever sleeps (one byte; a pending one is enough)."""
@@ -231,7 +232,17 @@ class Sleeper:
             self._wake_w.send(b"\0")
 
     def wake_if_sleeping(self) -> None:
-        if self.sleeping or self.caller_sleeping:
+        """Writes a wake-up byte if a thread sleeps in ``poll`` and none was written since
+        it went to sleep (in a burst of submits, one system call rather than one each,
+        each letting go of the GIL).
+
+        Invariant: a sleeper clears ``_rung`` before it sets its flag and takes its last
+        look at the queue, so a submit that finds the flag set and ``_rung`` set queued
+        its tensor after a byte that wakes the sleeper, or that the thread which read it
+        follows with a pass, which drains the queue.
+        """
+        if (self.sleeping or self.caller_sleeping) and not self._rung:
+            self._rung = True
             self.wake()
 
     def unregister(self, fd: int) -> None:
@@ -299,6 +310,7 @@ class Sleeper:
         queue = self._queue
         if settled or events or queue.has_new():
             return events
+        self._rung = False  # before the flag (see wake_if_sleeping)
         if caller:
             self.caller_sleeping = True
         else:
