@@ -102,10 +102,22 @@ def live_job(path: str) -> list[str]:
                        ("allgather.rows", lambda: hvd.allgather(np.ones((2, 2)), name="rows")),
                        ("allreduce.large", lambda: hvd.allreduce(np.ones(1 << 18), name="large"))):  # fmt: skip
         call()
-        time.sleep(0.2)  # idle: nothing else will make rank 0's engine write
+        time.sleep(0.2)  # idle: only the other rank's next request makes rank 0's engine write
         if hvd.rank() == 0:
-            text = Path(path).read_text()
-            seen.append(f"{name}: {'there' if json.loads(text) and name in text else 'missing'}")
+            # That request (the barrier below) may arrive while this reads: the file is a
+            # complete array after every write, but a read that straddles one sees the
+            # old end and then the appended events (not JSON). Read it again then.
+            deadline = time.monotonic() + 10
+            while True:
+                text = Path(path).read_text()
+                try:
+                    json.loads(text)
+                    break
+                except json.JSONDecodeError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+            seen.append(f"{name}: {'there' if name in text else 'missing'}")
         hvd.barrier()
     hvd.shutdown()
     return seen
