@@ -476,7 +476,8 @@ def burst_job(marker: str) -> dict:
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
     handles = [hvd.allreduce_async(np.full(3, float(me + 1)), name="first", op=hvd.Sum)]
-    handles += [hvd.allreduce_async(np.full(3, float(i * (me + 1))), name=name[10:], op=hvd.Sum) for i, name in enumerate(burst)]
+    for i, name in enumerate(burst):
+        handles.append(hvd.allreduce_async(np.full(3, float(i * (me + 1))), name=name[len("allreduce."):], op=hvd.Sum))
     out: dict = {}
     if me == 0:
         main = threading.current_thread().name
@@ -486,7 +487,7 @@ def burst_job(marker: str) -> dict:
             time.sleep(0.01)
         out["first_by"] = [thread for thread, names in announced if "allreduce.first" in names]
         out["main"] = main
-        out["burst_by"] = sorted({thread for thread, names in announced[1:] if set(names) & set(burst)})
+        out["burst_by"] = sorted({thread for thread, names in announced if set(names) & set(burst)})
         with open(marker, "w"):
             pass
     out["results"] = [hvd.synchronize(h).tolist() for h in handles]

@@ -141,3 +141,4 @@ def test_a_burst_of_submits_writes_one_wake_up_byte_per_sleep_and_a_new_sleep_is
     sleeper.wake_if_sleeping()
     assert woken.wait(30)
     thread.join(30)
+    sleeper.close()

@@ -306,7 +306,8 @@ KNOBS: tuple[Knob, ...] = (
          yaml="params.fusion_threshold_mb"),
     Knob("HORA_CYCLE_TIME", Number(), 0.0, "runtime",
          "ms the engine waits after a submit for more tensors to fuse with; 0: no fixed cycle (a tensor "
-         "goes out at once, or with the engine's next pass while others of its rank are in flight)", ("HOROVOD_CYCLE_TIME",), "cycle_time_ms",
+         "goes out at once, or with the engine's next pass while others of its rank are in flight)",
+         ("HOROVOD_CYCLE_TIME",), "cycle_time_ms",
          options=(Option(("--cycle-time-ms",), "ms to gather tensors before negotiating", "MS"),),
          yaml="params.cycle_time_ms"),
     Knob("HORA_GRADIENT_OVERLAP", Boolean(), None, "runtime",
