@@ -50,6 +50,9 @@ WORKLOADS = {
     "alltoall-16M": ("alltoall", 16 << 20),
     "reducescatter-16M": ("reducescatter", 16 << 20),
     "grouped-16x1M": ("grouped", 1 << 20),
+    # 160 asynchronous calls in a row, then a synchronize of each: tensors submitted
+    # while others are in flight wait for the engine thread's next pass (a burst).
+    "burst-160x4": ("burst", 4),
 }
 TRANSPORTS = ("shm", "tcp")
 
@@ -65,6 +68,7 @@ def worker(operation: str, nbytes: int) -> int:
     size = hvd.size()
     data = np.ones(count - count % size if operation in ("alltoall", "reducescatter") else count, np.float32)
     grouped = [np.ones(count, np.float32) for _ in range(16)]
+    burst = [np.ones(count, np.float32) for _ in range(160)]
 
     def step(i: int) -> None:
         name = f"step.{i % 4}"
@@ -78,6 +82,10 @@ def worker(operation: str, nbytes: int) -> int:
             hvd.alltoall(data, name=name)
         elif operation == "reducescatter":
             hvd.reducescatter(data, name=name)
+        elif operation == "burst":
+            handles = [hvd.allreduce_async_(tensor, name=f"{name}.{k}") for k, tensor in enumerate(burst)]
+            for handle in handles:
+                hvd.synchronize(handle)
         else:
             hvd.grouped_allreduce_(grouped, name=name)
 
