@@ -4,19 +4,22 @@ Ranks start the way torchrun or a Kubernetes operator starts them (``MASTER_ADDR
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and a
 job secret): no horarun, so nobody cleans up after a failure, and a survivor that waits
 for ever shows as a hang. Each trial picks a workload (a collective, a size, a
-transport), starts the ranks, lets them warm up, then SIGKILLs one rank (or, with
-``--freeze``, SIGSTOPs it) at a random moment, which for large collectives usually lands
-in the data phase.
+transport), starts the ranks, lets them warm up, then SIGKILLs one rank (with
+``--freeze``, SIGSTOPs it; with ``--interrupt``, sends it SIGINT, as Ctrl-C in its
+terminal would) at a random moment, which for large collectives usually lands in the
+data phase.
 
 Reported per trial: whether every survivor raised ``HoraInternalError``, how long after
-the kill the last survivor raised, and what the error said. Summary: hangs (a survivor
-still running ``--hang-after`` seconds after the kill) and the median and maximum time
-from the kill to the last survivor's error.
+the kill the last survivor raised, and what the error said; an interrupted rank must
+itself end with ``KeyboardInterrupt``. Summary: hangs (a survivor, or an interrupted
+rank, still running ``--hang-after`` seconds after the signal) and the median and maximum
+time from the signal to the last survivor's error.
 
 Examples::
 
     python benchmarks/chaos.py --trials 50 --np 3
     python benchmarks/chaos.py --trials 10 --np 2 --freeze --stall-check 2 --stall-shutdown 4
+    python benchmarks/chaos.py --trials 20 --np 3 --interrupt
 
 Each survivor measures its own time of failure with ``time.monotonic`` (one clock for
 every process of one machine) and prints it, so the times do not include the driver's
@@ -67,8 +70,7 @@ def worker(operation: str, nbytes: int) -> int:
     count = max(1, nbytes // 4)
     size = hvd.size()
     data = np.ones(count - count % size if operation in ("alltoall", "reducescatter") else count, np.float32)
-    grouped = [np.ones(count, np.float32) for _ in range(16)]
-    burst = [np.ones(count, np.float32) for _ in range(160)]
+    tensors = [np.ones(count, np.float32) for _ in range({"grouped": 16, "burst": 160}.get(operation, 0))]
 
     def step(i: int) -> None:
         name = f"step.{i % 4}"
@@ -83,11 +85,11 @@ def worker(operation: str, nbytes: int) -> int:
         elif operation == "reducescatter":
             hvd.reducescatter(data, name=name)
         elif operation == "burst":
-            handles = [hvd.allreduce_async_(tensor, name=f"{name}.{k}") for k, tensor in enumerate(burst)]
+            handles = [hvd.allreduce_async_(tensor, name=f"{name}.{k}") for k, tensor in enumerate(tensors)]
             for handle in handles:
                 hvd.synchronize(handle)
         else:
-            hvd.grouped_allreduce_(grouped, name=name)
+            hvd.grouped_allreduce_(tensors, name=name)
 
     for i in range(3):
         step(i)
@@ -100,7 +102,7 @@ def worker(operation: str, nbytes: int) -> int:
     except hvd.HoraInternalError as exc:
         print("FAILED " + json.dumps({"time": time.monotonic(), "error": str(exc), "kind": "HoraInternalError"}), flush=True)
         return 3
-    except Exception as exc:  # noqa: BLE001 - reported as a wrong kind of error
+    except BaseException as exc:  # noqa: BLE001 - reported as a wrong kind of error (or, interrupted, the right one)
         print("FAILED " + json.dumps({"time": time.monotonic(), "error": repr(exc), "kind": type(exc).__name__}), flush=True)
         return 4
 
@@ -156,13 +158,17 @@ def _wait_ready(procs: list[subprocess.Popen[str]], timeout: float) -> list[list
     """Reads each rank's output up to its READY line."""
     lines: list[list[str]] = []
     deadline = time.monotonic() + timeout
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         seen: list[str] = []
         assert proc.stdout is not None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError("a rank exited before it was ready:\n" + "".join(seen))
+                for other in procs:  # the others' output says why (the first to fail)
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGKILL)
+                rest = [f"--- rank {r} (exit {p.wait()}):\n{p.communicate()[0][-3000:]}" for r, p in enumerate(procs) if r != rank]
+                raise RuntimeError(f"rank {rank} exited (exit {proc.wait()}) before it was ready:\n" + "".join(seen) + "\n".join(rest))
             seen.append(line)
             if line.startswith("READY"):
                 break
@@ -170,19 +176,22 @@ def _wait_ready(procs: list[subprocess.Popen[str]], timeout: float) -> list[list
     return lines
 
 
-def trial(np_: int, workload: str, transport: str, freeze: bool, hang_after: float, rng: random.Random, extra: dict[str, str]) -> dict[str, object]:
-    """Runs one job, stops one rank in it, and reports how the others ended."""
+def trial(
+    np_: int, workload: str, transport: str, how: signal.Signals, hang_after: float, rng: random.Random, extra: dict[str, str]
+) -> dict[str, object]:
+    """Runs one job, sends one rank in it ``how`` (SIGKILL, SIGSTOP or SIGINT), and
+    reports how the others ended (and, for SIGINT, how the interrupted rank ended)."""
     procs = _start(np_, workload, transport, extra)
     victim = rng.randrange(np_)
     try:
         _wait_ready(procs, 60.0)
         time.sleep(rng.uniform(0.0, 0.3))
         killed_at = time.monotonic()
-        os.kill(procs[victim].pid, signal.SIGSTOP if freeze else signal.SIGKILL)
+        os.kill(procs[victim].pid, how)
         outcomes: dict[int, dict[str, object]] = {}
         deadline = killed_at + hang_after
         for rank, proc in enumerate(procs):
-            if rank == victim:
+            if rank == victim and how != signal.SIGINT:
                 continue
             try:
                 output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
@@ -208,6 +217,19 @@ def trial(np_: int, workload: str, transport: str, freeze: bool, hang_after: flo
     return {"workload": workload, "transport": transport, "victim": victim, "np": np_, "outcomes": outcomes}
 
 
+def _survivor_times(outcomes: dict[int, dict[str, object]], victim: int) -> list[float]:
+    """Seconds from the signal to each survivor's error (the victim's own end left out)."""
+    return [float(o["seconds"]) for r, o in outcomes.items() if r != victim and o.get("seconds") is not None]  # type: ignore[arg-type]
+
+
+def as_expected(rank: int, outcome: dict[str, object], victim: int) -> bool:
+    """A survivor raised ``HoraInternalError`` naming the victim; an interrupted victim
+    ended with ``KeyboardInterrupt``."""
+    if rank == victim:
+        return outcome.get("kind") == "KeyboardInterrupt"
+    return outcome.get("kind") == "HoraInternalError" and names(str(outcome.get("error")), victim)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("OP", "BYTES"), help=argparse.SUPPRESS)
@@ -216,7 +238,9 @@ def main() -> int:
     parser.add_argument("--vary-np", action="store_true")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
-    parser.add_argument("--freeze", action="store_true", help="SIGSTOP instead of SIGKILL")
+    signals = parser.add_mutually_exclusive_group()
+    signals.add_argument("--freeze", action="store_true", help="SIGSTOP instead of SIGKILL")
+    signals.add_argument("--interrupt", action="store_true", help="SIGINT instead of SIGKILL")
     parser.add_argument("--stall-check", type=float, help="HORA_STALL_CHECK_TIME_SECONDS for the ranks")
     parser.add_argument("--stall-shutdown", type=float, help="HORA_STALL_SHUTDOWN_TIME_SECONDS for the ranks")
     parser.add_argument("--hang-after", type=float, default=30.0, help="seconds after which a survivor counts as hung")
@@ -231,27 +255,30 @@ def main() -> int:
         extra["HORA_STALL_CHECK_TIME_SECONDS"] = f"{args.stall_check:g}"
     if args.stall_shutdown is not None:
         extra["HORA_STALL_SHUTDOWN_TIME_SECONDS"] = f"{args.stall_shutdown:g}"
+    how = signal.SIGSTOP if args.freeze else signal.SIGINT if args.interrupt else signal.SIGKILL
     workloads = args.workloads.split(",")
     transports = args.transports.split(",")
     records = []
     for number in range(args.trials):
         np_ = rng.randint(2, args.np) if args.vary_np else args.np
-        record = trial(np_, rng.choice(workloads), rng.choice(transports), args.freeze, args.hang_after, rng, extra)
+        record = trial(np_, rng.choice(workloads), rng.choice(transports), how, args.hang_after, rng, extra)
         records.append(record)
         outcomes = record["outcomes"]
         assert isinstance(outcomes, dict)
+        victim = record["victim"]
+        assert isinstance(victim, int)
         hung = [r for r, o in outcomes.items() if o["hung"]]
-        times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
+        times = _survivor_times(outcomes, victim)
         kinds = sorted({str(o.get("kind")) for o in outcomes.values() if not o["hung"]})
-        unnamed = [r for r, o in outcomes.items() if not o["hung"] and not names(str(o.get("error")), int(record["victim"]))]
+        unexpected = [r for r, o in outcomes.items() if not o["hung"] and not as_expected(r, o, victim)]
         last = f"{max(times) * 1e3:7.1f} ms" if times and not hung else "      -   "
         print(
-            f"{number + 1:3d} np={np_} {record['workload']:18s} {record['transport']:3s} victim={record['victim']} "
+            f"{number + 1:3d} np={np_} {record['workload']:18s} {record['transport']:3s} victim={victim} "
             f"last error after {last}  hung={hung or '-'}  {','.join(kinds)}"
-            + (f"  victim not named by {unnamed}" if unnamed else ""),
+            + (f"  unexpected outcome on {unexpected}" if unexpected else ""),
             flush=True,
         )
-        if hung or unnamed or any(k != "HoraInternalError" for k in kinds):
+        if hung or unexpected:
             for rank, outcome in outcomes.items():
                 print(f"      rank {rank}: {json.dumps(outcome)[:600]}")
     if args.json:
@@ -265,19 +292,20 @@ def main() -> int:
         if any(o["hung"] for o in outcomes.values()):
             hangs += 1
             continue
-        victim = int(record["victim"])
-        if any(o.get("kind") != "HoraInternalError" or not names(str(o.get("error")), victim) for o in outcomes.values()):
+        victim = record["victim"]
+        assert isinstance(victim, int)
+        if not all(as_expected(rank, outcome, victim) for rank, outcome in outcomes.items()):
             wrong += 1
-        times = [o["seconds"] for o in outcomes.values() if o.get("seconds") is not None]
+        times = _survivor_times(outcomes, victim)
         if times:
             lasts.append(max(times))
     print(
-        f"\n{len(records)} trials: {hangs} with a hung survivor, {wrong} with another outcome than a "
-        "HoraInternalError naming the stopped rank"
+        f"\n{len(records)} trials: {hangs} with a hung rank, {wrong} with another outcome than a "
+        "HoraInternalError naming the stopped rank (and KeyboardInterrupt on an interrupted one)"
     )
     if lasts:
         print(
-            f"kill -> last survivor's error: median {statistics.median(lasts) * 1e3:.0f} ms, "
+            f"signal -> last survivor's error: median {statistics.median(lasts) * 1e3:.0f} ms, "
             f"max {max(lasts) * 1e3:.0f} ms (over {len(lasts)} trials without a hang)"
         )
     return 1 if hangs or wrong else 0
