@@ -11,7 +11,7 @@ from hora.engine.handles import Handle
 from hora.engine.messages import Request, RequestType, Response, ResponseType
 from hora.engine.process_sets import ProcessSetTable
 from hora.engine.queue import Entry, TensorQueue
-from hora.engine.riders import riders
+from hora.engine.riders import _batch_key, computed_result, computed_results, riders
 
 F32 = int(DataType.FLOAT32)
 
@@ -503,6 +503,45 @@ def test_computed_results_fuse_only_with_each_other():
         )
     fused = [(r.names, np.frombuffer(r.data, np.float32).tolist()) for r, _ in c.take()]
     assert fused == [(["x", "z"], [1, 2, 4, 6, 10, 10, 10, 10]), (["y"], [])]
+
+
+def test_a_frame_of_riders_is_computed_together_bit_for_bit_as_one_at_a_time():
+    # 3 ranks, one frame each of 40 small collectives: allreduces of several types, ops,
+    # scalings and sizes (which share reductions by kind), a bfloat16 and a prescaled one
+    # (computed alone), a broadcast, and one whose rider on rank 2 has the wrong size.
+    rng = np.random.default_rng(7)
+    kinds = [
+        (DataType.FLOAT32, SUM, 1.0, 1.0), (DataType.FLOAT32, AVERAGE, 1.0, 1 / 3), (DataType.FLOAT16, MAX, 1.0, 1.0),
+        (DataType.INT32, PRODUCT, 1.0, 1.0), (DataType.INT8, SUM, 1.0, 0.5), (DataType.FLOAT64, MIN, 1.0, 1.0),
+        (DataType.BFLOAT16, SUM, 1.0, 1.0), (DataType.FLOAT32, SUM, 2.0, 1.0),
+    ]  # fmt: skip
+    names, requests, data = [], {rank: [] for rank in range(3)}, {rank: [] for rank in range(3)}
+    for index in range(40):
+        dtype, op, prescale, postscale = kinds[index % len(kinds)]
+        shape = (int(rng.integers(1, 9)),)
+        name = f"t{index}"
+        names.append(name)
+        for rank in range(3):
+            part = (rng.standard_normal(shape) * 4).astype(dtype.storage) if dtype.is_float and dtype != DataType.BFLOAT16 \
+                else rng.integers(0, 9, shape).astype(dtype.storage)
+            rider = part.tobytes()[:-1] if (index == 17 and rank == 2) else part.tobytes()
+            requests[rank].append(req(rank, name, shape=shape, dtype=int(dtype), reduce_op=op, prescale=prescale, postscale=postscale))
+            data[rank].append(rider)
+    for rank in range(3):
+        requests[rank].append(req(rank, "b", kind=RequestType.BROADCAST, shape=(2,), root_rank=1))
+        data[rank].append(f32(7, 8) if rank == 1 else b"")
+    together = Coordinator(3, fusion_threshold=0)
+    for rank in range(3):
+        together.submit_many(requests[rank], riders=data[rank])
+    ridings = list(together._riding)
+    assert len(ridings) == 41
+    assert sum(_batch_key(*riding) is not None for riding in ridings) == 29  # 6 kinds of 8 share; t17 is alone
+    results = {r.names[0]: r.data for r, _ in together.take()}
+    alone = {riding[0].names[0]: computed_result(*riding) for riding in ridings}
+    assert results == alone
+    assert results["t17"] == b"" and results["b"] == f32(7, 8)
+    assert all(results[name] for name in names if name != "t17")
+    assert computed_results([]) == []
 
 
 def _entry(name, kind, data, root_rank=0, error=""):

@@ -35,7 +35,7 @@ from hora.engine import fusion, validate
 from hora.engine.cache import CoordinatorCache
 from hora.engine.messages import Request, RequestType, Response, ResponseType, split_name, tensor_label
 from hora.engine.process_sets import ProcessSetTable
-from hora.engine.riders import computed_result
+from hora.engine.riders import Riding, computed_results
 from hora.engine.timeline import Timeline
 from hora.errors import ProtocolError
 
@@ -96,6 +96,9 @@ class Coordinator:
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._groups: dict[tuple[int, str], list[Response]] = {}
         self._ready: list[tuple[Response, tuple[int, ...]]] = []
+        # Ready responses whose results the coordinator computes from riders, all at once
+        # in ``take`` (``riders.computed_results``).
+        self._riding: list[Riding] = []
         self._joined: set[int] = set()
         self._departed: dict[int, str] = {}  # ranks that left, and how; collectives needing them fail
         self._last_joined = -1
@@ -248,6 +251,10 @@ class Coordinator:
 
     def take(self) -> list[tuple[Response, tuple[int, ...]]]:
         """Returns the responses ready now, fused, each with the global ranks to send it to."""
+        if self._riding:
+            riding, self._riding = self._riding, []
+            for (response, *_), data in zip(riding, computed_results(riding), strict=True):
+                response.data = data
         ready, self._ready = self._ready, []
         if not ready:
             return []
@@ -395,7 +402,7 @@ class Coordinator:
             if response.type not in (ResponseType.ERROR, ResponseType.ABORTED):
                 response.cache_ids = [self.cache.record(key, requests, response)]
         if pending.riders and not self._joined.intersection(members):
-            response.data = computed_result(response, pending.requests, pending.riders, members)
+            self._riding.append((response, pending.requests, pending.riders, members))
         group = requests[0].group
         if group:
             held = self._groups.setdefault((key[0], group), [])

@@ -58,6 +58,76 @@ def riders(entries: Sequence[Entry], rank: int, budget: int) -> list[bytes]:
     return out if left < budget else []
 
 
+# What the coordinator computes one response's result from: the response (validated), each
+# member's request and rider (by global rank), and the set's global ranks in order.
+Riding = tuple[Response, dict[int, Request], dict[int, bytes], Sequence[int]]
+
+
+def computed_results(ridings: Sequence[Riding]) -> list[bytes]:
+    """``computed_result`` of each, in order; allreduces of one type, op and scaling among
+    the same members share one reduction.
+
+    A burst of small tensors (160 gradients of a model, say) makes rank 0 compute as
+    many results at once; one at a time each cost it ~8 us of NumPy calls. Laid end to
+    end, each member's riders form one row, and one reduction along the members folds
+    every element in member order, in the storage type, as each tensor's own reduction
+    does, then one scaling: bit for bit the results one at a time would be.
+    """
+    results = [b""] * len(ridings)
+    batches: dict[tuple[int, int, float, tuple[int, ...]], list[int]] = {}
+    for index, riding in enumerate(ridings):
+        key = _batch_key(*riding)
+        if key is None:
+            results[index] = computed_result(*riding)
+        else:
+            batches.setdefault(key, []).append(index)
+    for (code, op, postscale, members), indices in batches.items():
+        dtype = DataType(code)
+        try:
+            reduce = reducer(op, dtype)
+        except ValueError:
+            reduce = None  # the op does not apply to the type: computed alone, to nothing
+        if reduce is None or len(indices) == 1:
+            for index in indices:
+                results[index] = computed_result(*ridings[index])
+            continue
+        storage = dtype.storage
+        rows = b"".join(ridings[index][2][rank] for rank in members for index in indices)
+        total = reduce.ufunc.reduce(np.frombuffer(rows, dtype=storage).reshape(len(members), -1), axis=0, dtype=storage)
+        scale(total, postscale, dtype)
+        data = total.tobytes()
+        at = 0
+        for index in indices:
+            end = at + len(ridings[index][2][members[0]])
+            results[index] = data[at:end]
+            at = end
+    return results
+
+
+def _batch_key(
+    response: Response, requests: dict[int, Request], riders: dict[int, bytes], members: Sequence[int]
+) -> tuple[int, int, float, tuple[int, ...]] | None:
+    """What an allreduce shares with those it can be reduced with, or None for one that
+    ``computed_result`` takes alone (any other collective, a bfloat16 or prescaled one, a
+    rider missing or of the wrong size). Whether the op applies to the type is asked
+    once per batch (``computed_results``)."""
+    if response.type != ResponseType.ALLREDUCE or len(response.names) != 1 or response.prescale != 1.0:
+        return None
+    itemsize = _ITEMSIZE.get(response.dtype)
+    if itemsize is None or response.dtype == DataType.BFLOAT16:
+        return None
+    nbytes = sum(response.sizes) * itemsize
+    for rank in members:
+        if len(riders.get(rank, b"")) != nbytes:
+            return None
+    return response.dtype, response.reduce_op, response.postscale, tuple(members)
+
+
+# Each type's storage width in bytes, by its code: the rider of every tensor of a batch
+# is checked against it, so it is looked up without making a ``DataType`` per tensor.
+_ITEMSIZE = {int(dtype): dtype.storage.itemsize for dtype in DataType}
+
+
 def computed_result(response: Response, requests: dict[int, Request], riders: dict[int, bytes], members: Sequence[int]) -> bytes:
     """Computes a validated response's result from the members' riders, or returns b""
     when it cannot (a rider missing or of the wrong size, a collective that does not ride).
