@@ -186,11 +186,6 @@ def stage(tensor: torch.Tensor, *, writable: bool, what: str) -> Staged:
     return Staged(tensor, host, ops.Tensor(numpy_view(host), tuple(host.shape), dtype))
 
 
-def empty_host(staged: Staged) -> torch.Tensor:
-    """A new CPU tensor shaped like the staged one, for an out-of-place result."""
-    return torch.empty(staged.host.shape, dtype=staged.host.dtype)
-
-
 def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Wraps a result array from the core as a CPU tensor of ``dtype``; no copy."""
     if dtype == torch.bfloat16:
