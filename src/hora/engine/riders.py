@@ -64,8 +64,8 @@ Riding = tuple[Response, dict[int, Request], dict[int, bytes], Sequence[int]]
 
 
 def computed_results(ridings: Sequence[Riding]) -> list[bytes]:
-    """``computed_result`` of each, in order; allreduces of one type, op and scaling among
-    the same members share one reduction.
+    """``computed_result`` of each, in order; unscaled allreduces of one type, op and
+    postscale among the same members share one reduction (also a batch of one).
 
     A burst of small tensors (160 gradients of a model, say) makes rank 0 compute as
     many results at once; one at a time each cost it ~8 us of NumPy calls. Laid end to
@@ -87,7 +87,7 @@ def computed_results(ridings: Sequence[Riding]) -> list[bytes]:
             reduce = reducer(op, dtype)
         except ValueError:
             reduce = None  # the op does not apply to the type: computed alone, to nothing
-        if reduce is None or len(indices) == 1:
+        if reduce is None:
             for index in indices:
                 results[index] = computed_result(*ridings[index])
             continue
@@ -157,21 +157,16 @@ def computed_result(response: Response, requests: dict[int, Request], riders: di
         reduce = reducer(response.reduce_op, dtype)
     except ValueError:
         return b""  # the data path meets the same op and raises it on every rank
-    if reduce.bfloat16 or response.prescale != 1.0:
-        total = np.frombuffer(contributions[0], dtype=storage).copy()
-        scale(total, response.prescale, dtype)
-        for data in contributions[1:]:
-            other = np.frombuffer(data, dtype=storage)
-            if response.prescale != 1.0:
-                other = other.copy()
-                scale(other, response.prescale, dtype)
-            reduce(total, other)
-    else:
-        # One ufunc call over the members' rows (n - 1 calls cost rank 0 a few us each, per
-        # tensor); a reduction along the outer axis folds the rows in order, in the
-        # storage type, as the loop above does.
-        rows = np.frombuffer(b"".join(contributions), dtype=storage).reshape(len(contributions), -1)
-        total = reduce.ufunc.reduce(rows, axis=0, dtype=storage)
+    # Member by member, in order (the coordinator reduces unscaled allreduces other than
+    # bfloat16 in ``computed_results``, many at once, to these same bits).
+    total = np.frombuffer(contributions[0], dtype=storage).copy()
+    scale(total, response.prescale, dtype)
+    for data in contributions[1:]:
+        other = np.frombuffer(data, dtype=storage)
+        if response.prescale != 1.0:
+            other = other.copy()
+            scale(other, response.prescale, dtype)
+        reduce(total, other)
     scale(total, response.postscale, dtype)
     return bytes(total.tobytes())
 
