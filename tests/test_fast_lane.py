@@ -248,6 +248,26 @@ def test_what_rides_the_lane_by_id(lanes):
     gather[0].request.type = RequestType.ALLGATHER
     assert not lane.carries_by_id(gather)
     assert not lane.carries_by_id(grouped([1] * (MAX_IDS + 1)))
+    # Lone allreduces announced together (a burst of async calls) run fused, as the
+    # coordinator would fuse them: alike, and no more than the fusion threshold.
+    assert lane.carries_by_id([entry([1.0], "a"), entry([1.0] * 9, "b")])
+    assert not lane.carries_by_id([entry([1.0], "a"), *grouped([1, 1])])
+    averaged = [entry([1.0], "a"), entry([1.0], "b", op=0)]
+    assert not lane.carries_by_id(averaged)
+
+
+def test_a_batch_by_id_stays_within_the_fusion_threshold():
+    key = shm.job_key(secrets.token_bytes(16))
+    domain = shm.Domain(key, 0, range(1), 0, 4096)
+    domain.attach()
+    domain.unlink()
+    lane = FastLane(domain, Config(fusion_threshold=64))
+    try:
+        assert lane.carries_by_id([entry([1.0] * 8, "a"), entry([1.0] * 8, "b")])  # 64 bytes
+        assert not lane.carries_by_id([entry([1.0] * 8, "a"), entry([1.0] * 9, "b")])
+    finally:
+        lane.close()
+        domain.close()
 
 
 # ----- ranks -----
@@ -380,6 +400,57 @@ def test_with_fusion_off_groups_go_the_coordinators_way_and_lone_tensors_still_b
     # Possibly none: a rank still running its group's last response (a small tensor computed
     # by the coordinator, no data phase to keep the ranks together) refuses the other's proposal.
     assert all(r[1] <= 3 for r in results), [r[1] for r in results]
+
+
+def batch_job(steps: int, flags: str) -> list:
+    import time
+
+    import hora.numpy as hvd
+    from hora.core.api import current
+
+    hvd.init()
+    me = hvd.rank()
+
+    def tensor(step: int, i: int) -> np.ndarray:
+        return np.full(i + 1, me + step + i, np.float32)
+
+    out, lane = [], []
+    for step in range(steps):
+        # Twelve lone allreduces announced in one batch by a quiet rank: after the first
+        # step they are cached, and every rank proposes the same ids.
+        before = current().engine.stats().lane_succeeded
+        with current().batch():
+            handles = [hvd.allreduce_async(tensor(step, i), op=hvd.Sum, name=f"b{i}") for i in range(12)]
+        out.append([hvd.synchronize(h).tolist() for h in handles])
+        lane.append(current().engine.stats().lane_succeeded - before)
+        _idle_barrier(flags, f"batch{step}")
+    for step in range(steps):
+        # The same as a burst of calls, odd ranks pausing halfway on odd steps: the ranks'
+        # batches differ, and a proposal that names other ids fails everywhere alike.
+        handles = []
+        for i in range(12):
+            handles.append(hvd.allreduce_async(tensor(step, i), op=hvd.Sum, name=f"b{i}"))
+            if step % 2 and me % 2 and i == 5:
+                time.sleep(0.02)
+        out.append([hvd.synchronize(h).tolist() for h in handles])
+        _idle_barrier(flags, f"burst{step}")
+    hvd.shutdown()
+    return [out, lane]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.timeout(120)
+def test_a_batch_of_lone_allreduces_is_agreed_by_id_and_differing_batches_fall_back(size, tmp_path):
+    steps = 6
+    results = run_ranks(size, batch_job, steps, str(tmp_path), timeout=100)
+    for step in range(steps):
+        expected = [[float(sum(r + step + i for r in range(size)))] * (i + 1) for i in range(12)]
+        for out, _ in results:
+            assert out[step] == out[steps + step] == expected
+    # Once cached, each batch went on the lane as one proposal, with nobody busy.
+    for _, lane in results:
+        assert lane[0] == 0 and lane[1:] == [1] * (steps - 1), lane
 
 
 def process_set_job(flags: str) -> list:

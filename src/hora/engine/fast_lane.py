@@ -10,10 +10,11 @@ its output. No control frame, no response, no executor, no barrier: one write an
 wait. Anything the lane cannot settle falls back, on every rank alike, to the
 coordinator's path.
 
-Larger cached allreduces, and whole grouped calls of any size, are proposed *by id*: the
-slot holds the tensors' cache ids instead of their data, and once every rank proposed the
-same ids, each builds the response the coordinator would have sent (``response``) and
-runs it through its executor, data phase and all. Since a data phase synchronizes the
+Larger cached allreduces, whole grouped calls of any size, and batches of lone cached
+allreduces announced together (a burst of asynchronous calls, or a ``Runtime.batch``) are
+proposed *by id*: the slot holds the tensors' cache ids instead of their data, and once
+every rank proposed the same ids, each builds the response the coordinator would have
+sent (``response``) and runs it through its executor, data phase and all. Since a data phase synchronizes the
 ranks, every rank must run it at the same point of the response sequence; the rules for
 that are under "Invariants".
 
@@ -135,6 +136,10 @@ class FastLane:
         # The same on every rank (one slot size, one job size): ranks agree on which way a
         # tensor goes, with its data or by id.
         self.data_limit = min(LANE_DATA_BYTES, READ_BUDGET // len(domain.ranks))
+        # A batch of lone allreduces runs as one fused response: no more than the
+        # coordinator would fuse (autotune, which changes the threshold, proposes nothing
+        # by id).
+        self._batch_bytes = config.fusion_threshold
         lanes = {rank: domain.lane(rank) for rank in domain.ranks}
         flags = {rank: lane[0] for rank, lane in lanes.items()}
         headers = {rank: [lane[1][slot][0] for slot in (0, 1)] for rank, lane in lanes.items()}
@@ -168,15 +173,21 @@ class FastLane:
 
     def carries_by_id(self, entries: Sequence[Entry]) -> bool:
         """True for tensors the lane can agree on by id: a lone allreduce of the global set
-        over ``data_limit`` bytes, or a whole grouped call of allreduces of the global set,
-        alike in data type, reduce op and scale factors (they run fused)."""
+        over ``data_limit`` bytes, a whole grouped call of allreduces of the global set, or
+        a batch of lone ones announced together (a burst of ``allreduce_async`` calls) of at
+        most the fusion threshold, alike in data type, reduce op and scale factors (they run
+        fused, as the coordinator would fuse them). Ranks whose batches differ fail the
+        proposal, and every tensor of it goes the coordinator's way."""
         if not entries or len(entries) > MAX_IDS:
             return False
         first = entries[0].request
         if first.group:
             if len(entries) != first.group_size:
                 return False
-        elif len(entries) != 1 or entries[0].input is None or entries[0].input.nbytes <= self.data_limit:
+        elif len(entries) == 1:
+            if entries[0].input is None or entries[0].input.nbytes <= self.data_limit:
+                return False
+        elif sum(0 if entry.input is None else entry.input.nbytes for entry in entries) > self._batch_bytes:
             return False
         for entry in entries:
             request = entry.request
