@@ -320,8 +320,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_CACHE_CAPACITY", Integer(), 1024, "runtime",
          "how many distinct tensors the response cache holds (the first ones seen; 0 disables it): a cached "
          "tensor sent unchanged negotiates by id and skips cross-rank validation; with every rank on one "
-         "machine, a lone allreduce or a whole grouped call of them skips the coordinator too (the fast lane, "
-         "docs/architecture.md)",
+         "machine, a lone allreduce, a whole grouped call of them or a batch of lone ones announced together "
+         "skips the coordinator too (the fast lane, docs/architecture.md)",
          ("HOROVOD_CACHE_CAPACITY",), "cache_capacity",
          options=(Option(("--cache-capacity",), "response cache entries (0: off)", "N"),
                   Option(("--disable-cache",), "turn the response cache off", const=0)),
