@@ -445,10 +445,10 @@ class ControlPlane:
     def announce(self, entries: list[Entry], lane: bool = True) -> None:
         """Tells the coordinator about new tensors: unchanged cached ones by id only.
 
-        A lone cached allreduce, or a whole grouped call of them, with nothing else of
-        this rank's in flight, is proposed on the fast lane instead (unless ``lane`` is
-        False: it came back from there), and the coordinator hears of it only if the lane
-        fails it.
+        A lone cached allreduce, a whole grouped call of them or a batch of lone ones
+        (``FastLane.carries_by_id``), with nothing else of this rank's in flight, is
+        proposed on the fast lane instead (unless ``lane`` is False: it came back from
+        there), and the coordinator hears of it only if the lane fails it.
         """
         fast_lane = self.lane
         if lane and fast_lane is not None and self._propose(fast_lane, entries):
