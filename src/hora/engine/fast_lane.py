@@ -14,9 +14,9 @@ Larger cached allreduces, whole grouped calls of any size, and batches of lone c
 allreduces announced together (a burst of asynchronous calls, or a ``Runtime.batch``) are
 proposed *by id*: the slot holds the tensors' cache ids instead of their data, and once
 every rank proposed the same ids, each builds the response the coordinator would have
-sent (``response``) and runs it through its executor, data phase and all. Since a data phase synchronizes the
-ranks, every rank must run it at the same point of the response sequence; the rules for
-that are under "Invariants".
+sent (``response``) and runs it through its executor, data phase and all. Since a data
+phase synchronizes the ranks, every rank must run it at the same point of the response
+sequence; the rules for that are under "Invariants".
 
 Protocol. Entries are numbered. Every rank writes entries 1, 2, 3... in order, each
 either a proposal or a refusal ("no"), into slot ``seq % 2`` of its own segment (one
