@@ -181,14 +181,7 @@ class FastLane:
         if not entries or len(entries) > MAX_IDS:
             return False
         first = entries[0].request
-        if first.group:
-            if len(entries) != first.group_size:
-                return False
-        elif len(entries) == 1:
-            if entries[0].input is None or entries[0].input.nbytes <= self.data_limit:
-                return False
-        elif sum(0 if entry.input is None else entry.input.nbytes for entry in entries) > self._batch_bytes:
-            return False
+        nbytes = 0
         for entry in entries:
             request = entry.request
             if (
@@ -201,7 +194,12 @@ class FastLane:
                 != (first.dtype, first.reduce_op, first.prescale, first.postscale)
             ):
                 return False
-        return True
+            nbytes += entry.input.nbytes
+        if first.group:
+            return len(entries) == first.group_size
+        if len(entries) == 1:
+            return nbytes > self.data_limit
+        return nbytes <= self._batch_bytes
 
     @staticmethod
     def response(proposal: Proposal) -> Response:
